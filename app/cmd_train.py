@@ -1,0 +1,113 @@
+"""``moco train``: options of the MoCo trainer and the command that runs it."""
+from __future__ import annotations
+
+import argparse
+import os
+
+EPILOG_TRAIN = """\
+examples:
+  moco train photos/ --out runs/photos --arch resnet18 --image-size 96 --epochs 100 --batch-size 256
+  moco train photos/ --out runs/photos          # rerun after a crash: continues from checkpoint_last.pt
+  torchrun --nproc_per_node=8 -m app.cli train photos/ --out runs/photos   # 8 GPUs, --batch-size is global
+"""
+
+
+def _add_train_options(p: argparse.ArgumentParser) -> None:
+    from trainer.config import ARCHS, STEMS
+
+    g = p.add_argument_group("model")
+    g.add_argument("--moco-version", type=int, default=2, choices=(2, 3),
+                   help="2: MoCo v2 (queue of negatives, default); 3: MoCo v3 (symmetric loss, predictor, no queue)")
+    g.add_argument("--arch", default="resnet50", choices=ARCHS,
+                   help="backbone network (default resnet50; resnet18 trains fastest)")
+    g.add_argument("--stem", default="auto", choices=STEMS,
+                   help="ResNet first layers: 'small' keeps resolution for 32-96 px images, 'imagenet' "
+                        "downsamples 4x for larger ones; auto picks by --image-size (default auto)")
+    g.add_argument("--image-size", type=int, default=224, help="training crop size in pixels (default 224)")
+    g.add_argument("--dim", type=int, default=128, help="projection output dimension used by the loss (default 128)")
+    g.add_argument("--queue-size", type=int, default=65536,
+                   help="number of negative keys remembered from past batches; a multiple of --batch-size "
+                        "(default 65536)")
+    g.add_argument("--momentum", type=float, default=0.999,
+                   help="how slowly the key encoder follows the query encoder, 0-1 (default 0.999)")
+    g.add_argument("--temperature", type=float, default=0.2,
+                   help="softmax temperature of the contrastive loss (default 0.2)")
+    g.add_argument("--bn-splits", type=int, default=0,
+                   help="batch-norm groups in one process so BN cannot reveal the positive pair "
+                        "(0 = auto: 8 in one process, off under torchrun where shuffle-BN is used)")
+    g = p.add_argument_group("optimisation")
+    g.add_argument("--epochs", type=int, default=200, help="passes over the data (default 200)")
+    g.add_argument("--batch-size", type=int, default=256,
+                   help="images per step summed over all processes/GPUs (default 256)")
+    g.add_argument("--lr", type=float, default=0.03,
+                   help="base learning rate, multiplied by batch-size/256 (default 0.03)")
+    g.add_argument("--no-lr-scale", dest="lr_scale", action="store_false",
+                   help="use --lr as given instead of scaling it by batch-size/256")
+    g.add_argument("--warmup-epochs", type=float, default=0.0,
+                   help="epochs of linear learning-rate warm-up before the cosine decay (default 0)")
+    g.add_argument("--weight-decay", type=float, default=1e-4, help="SGD weight decay (default 1e-4)")
+    g = p.add_argument_group("running")
+    g.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1),
+                   help="image-decoding processes per training process (default: min(4, CPU cores))")
+    g.add_argument("--device", default="auto", help="auto (GPU when usable), cpu, cuda or cuda:N (default auto)")
+    g.add_argument("--amp", action=argparse.BooleanOptionalAction, default=None,
+                   help="bfloat16 mixed precision (default: on for GPU, off for CPU)")
+    g.add_argument("--compile", action="store_true", help="torch.compile the encoders (slow start, faster GPU steps)")
+    g.add_argument("--seed", type=int, default=0, help="random seed for initialisation, data order and augmentation")
+    g.add_argument("--resume", metavar="CHECKPOINT_OR_RUN_DIR", default=None,
+                   help="continue from this checkpoint; by default a run directory with checkpoint_last.pt "
+                        "continues automatically")
+    g.add_argument("--stop-at-epoch", type=int, default=None,
+                   help="stop after this many epochs but keep the schedule of --epochs (continue later)")
+    g.add_argument("--save-every", type=int, default=10, help="keep a numbered checkpoint every N epochs (default 10)")
+    g.add_argument("--log-every", type=int, default=10, help="write metrics every N steps (default 10)")
+    g = p.add_argument_group("k-NN monitor")
+    g.add_argument("--knn-dir", default=None,
+                   help="labeled folder (one subfolder per class, or train/ and val/) to report k-NN accuracy on; "
+                        "default: DATA_DIR itself when it has class subfolders")
+    g.add_argument("--knn-every", type=int, default=1, help="evaluate k-NN every N epochs (0 = never; default 1)")
+    g.add_argument("--knn-k", type=int, default=20, help="neighbours that vote (default 20)")
+
+
+def _train_config(args: argparse.Namespace):
+    from trainer.config import TrainConfig
+
+    return TrainConfig(
+        data_dir=args.data_dir, out_dir=args.out, moco_version=args.moco_version, arch=args.arch, stem=args.stem,
+        image_size=args.image_size, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
+        lr_scale=args.lr_scale, warmup_epochs=args.warmup_epochs, weight_decay=args.weight_decay,
+        queue_size=args.queue_size, momentum=args.momentum, temperature=args.temperature, dim=args.dim,
+        bn_splits=args.bn_splits, workers=args.workers, device=args.device, amp=args.amp, compile=args.compile,
+        seed=args.seed, knn_dir=args.knn_dir, knn_every=args.knn_every, knn_k=args.knn_k,
+        save_every=args.save_every, log_every=args.log_every,
+    )
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from trainer.train import train
+
+    result = train(_train_config(args), resume=args.resume, stop_at_epoch=args.stop_at_epoch)
+    from trainer import dist
+
+    if dist.world_info_from_env().rank == 0:
+        _print_train_result(result)
+    return 0
+
+
+def _print_train_result(result) -> None:
+    knn = f", k-NN top-1 {100 * result.knn_acc:.1f}%" if result.knn_acc is not None else ""
+    loss = f", loss {result.loss:.3f}" if result.loss is not None else ""
+    print(f"trained {result.epochs_done} epochs on {result.images} images ({result.skipped} skipped){loss}{knn}")
+    print(f"run directory: {result.run_dir}")
+
+
+
+def register(sub) -> None:
+    p = sub.add_parser("train", help="train a MoCo encoder on a folder of unlabeled images",
+                       description="Train a MoCo encoder on a folder of images (labels are not needed). "
+                                   "Writes config.json, checkpoints, metrics.jsonl and metrics.png to --out.",
+                       epilog=EPILOG_TRAIN, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("data_dir", metavar="DATA_DIR", help="folder of images (searched recursively)")
+    p.add_argument("--out", required=True, metavar="RUN_DIR", help="run directory for checkpoints and logs")
+    _add_train_options(p)
+    p.set_defaults(func=cmd_train)

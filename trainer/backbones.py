@@ -1,0 +1,83 @@
+"""Backbones: torchvision ResNets (with an optional small-image stem) and the split-BN layer.
+
+A backbone maps images ``[N, 3, H, W]`` to features ``[N, D]`` (the classifier removed). These features are
+the representation that is exported, indexed and served.
+"""
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+import torchvision
+from torch import nn
+
+from trainer.config import RESNETS
+from trainer.errors import ConfigError
+
+
+class SplitBatchNorm2d(nn.BatchNorm2d):
+    """BatchNorm whose training statistics are computed over ``num_splits`` groups of the batch.
+
+    This is the single-process stand-in for MoCo's shuffle-BN: with the key batch shuffled before the key
+    encoder, a query and its positive key are normalised with statistics of different sub-batches, so BN
+    cannot leak which key is the positive. In eval mode (and with one split) it is a plain BatchNorm2d, and
+    its state dict is BatchNorm2d's, so exported and evaluated models see ordinary BN.
+    Sample ``n`` of the batch falls in group ``n % num_splits``.
+    """
+
+    def __init__(self, num_features: int, num_splits: int = 1, **kwargs):
+        super().__init__(num_features, **kwargs)
+        self.num_splits = num_splits
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.num_splits == 1:
+            return super().forward(x)
+        n, c, h, w = x.shape
+        g = self.num_splits
+        if n % g:
+            raise ValueError(f"batch of {n} is not divisible into {g} BN splits")
+        mean_split = self.running_mean.repeat(g)
+        var_split = self.running_var.repeat(g)
+        out = F.batch_norm(
+            x.reshape(n // g, c * g, h, w), mean_split, var_split,
+            self.weight.repeat(g), self.bias.repeat(g), True, self.momentum, self.eps,
+        ).reshape(n, c, h, w)
+        with torch.no_grad():  # keep one set of running statistics: the mean over the groups
+            self.running_mean.copy_(mean_split.view(g, c).mean(0))
+            self.running_var.copy_(var_split.view(g, c).mean(0))
+            self.num_batches_tracked.add_(1)
+        return out
+
+
+def build_resnet(arch: str, stem: str = "imagenet", bn_splits: int = 1) -> tuple[nn.Module, int]:
+    """A torchvision ResNet without its classifier, randomly initialised.
+
+    Args:
+        arch: resnet18, resnet34 or resnet50.
+        stem: ``imagenet`` (7x7 stride-2 conv + max-pool) or ``small`` (3x3 stride-1 conv, no max-pool) for
+            32-96 px inputs, as in the CIFAR versions of MoCo/SimCLR.
+        bn_splits: groups for :class:`SplitBatchNorm2d` (1 = plain BN).
+
+    Returns:
+        ``(backbone, feature_dim)``; ``backbone(x)`` maps ``[N, 3, H, W]`` to ``[N, feature_dim]``.
+    """
+    if arch not in RESNETS:
+        raise ConfigError(f"unknown ResNet {arch!r}; choose one of {', '.join(RESNETS)}")
+    norm_layer = partial(SplitBatchNorm2d, num_splits=bn_splits) if bn_splits > 1 else nn.BatchNorm2d
+    model = getattr(torchvision.models, arch)(weights=None, norm_layer=norm_layer)
+    if stem == "small":
+        model.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
+        model.maxpool = nn.Identity()
+    elif stem != "imagenet":
+        raise ConfigError(f"unknown stem {stem!r}; use imagenet or small")
+    feature_dim = model.fc.in_features
+    model.fc = nn.Identity()
+    return model, feature_dim
+
+
+def set_bn_splits(module: nn.Module, num_splits: int) -> None:
+    """Change the split count of every :class:`SplitBatchNorm2d` inside ``module``."""
+    for layer in module.modules():
+        if isinstance(layer, SplitBatchNorm2d):
+            layer.num_splits = num_splits

@@ -1,0 +1,61 @@
+"""Datasets and loaders over an image folder: two-view training samples and labeled evaluation samples.
+
+An image that fails to decode at training time (truncated after the scan, deleted, corrupt) never crashes an
+epoch: the dataset serves the next readable image in its place and flags the failed index, and the loop
+records the file in the run directory's ``skipped_files.txt``.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from trainer.imagefolder import ImageList, load_rgb
+
+LOG = logging.getLogger(__name__)
+
+
+class FolderDataset(Dataset):
+    """Images of an :class:`ImageList` through ``transform``.
+
+    Each item is ``(transformed, label_index, index, ok)``; ``ok`` is False when the image at ``index`` could
+    not be decoded and a neighbouring image was served instead (so batch shapes never change).
+    """
+
+    def __init__(self, images: ImageList, transform):
+        self.images = images
+        self.transform = transform
+        self.targets = images.label_indices()
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, index: int):
+        ok = True
+        for attempt in range(len(self.images)):
+            i = (index + attempt) % len(self.images)
+            try:
+                image = load_rgb(self.images.root / self.images.paths[i])
+            except OSError as exc:
+                LOG.warning("cannot decode %s: %s", self.images.paths[i], exc)
+                ok = False
+                continue
+            return self.transform(image), self.targets[i], index, ok
+        raise RuntimeError("no image in the dataset can be decoded")  # scan guarantees this cannot happen
+
+
+def training_loader(
+    dataset: Dataset, batch_size: int, workers: int, rank: int, world_size: int, seed: int, pin_memory: bool
+) -> DataLoader:
+    """Shuffled loader over this rank's share of ``dataset``; ``batch_size`` is per process; drops the last
+    incomplete batch (MoCo's queue needs equal batches). Call ``loader.sampler.set_epoch(e)`` each epoch."""
+    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=True)
+    return DataLoader(
+        dataset, batch_size=batch_size, sampler=sampler, num_workers=workers, pin_memory=pin_memory,
+        drop_last=True, persistent_workers=False,
+    )
+
+
+def eval_loader(dataset: Dataset, batch_size: int, workers: int) -> DataLoader:
+    return DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=workers)

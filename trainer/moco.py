@@ -1,0 +1,157 @@
+"""The MoCo objective in one readable module: encoders, momentum update, queue, shuffle-BN and InfoNCE.
+
+:class:`MoCo` holds what v2 and v3 share (a query encoder, a momentum key encoder that is its EMA copy, the
+momentum update); subclasses add their projector and their loss in :meth:`MoCo.forward`. Shapes: ``N`` is
+the per-process batch, ``C`` the projection dim, ``K`` the queue length.
+
+References: He et al., "Momentum Contrast for Unsupervised Visual Representation Learning" (MoCo);
+Chen et al., "Improved Baselines with Momentum Contrastive Learning" (MoCo v2).
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trainer import dist
+
+
+class Encoder(nn.Module):
+    """Backbone followed by a projection head: ``[N, 3, H, W] -> [N, C]``."""
+
+    def __init__(self, backbone: nn.Module, head: nn.Module):
+        super().__init__()
+        self.backbone = backbone
+        self.head = head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.backbone(x))
+
+
+def info_nce_logits(
+    q: torch.Tensor, k: torch.Tensor, queue: torch.Tensor, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """MoCo's InfoNCE logits: the positive key first, then the queue's negatives.
+
+    Args:
+        q: queries, [N, C], L2-normalised.
+        k: positive keys, [N, C], L2-normalised.
+        queue: negative keys, [C, K], L2-normalised columns.
+        temperature: softmax temperature T.
+
+    Returns:
+        ``(logits, labels)``: logits [N, 1+K] (= similarities / T), labels [N] all zero (the positive's index).
+    """
+    l_pos = torch.einsum("nc,nc->n", q, k).unsqueeze(-1)  # positive logits: Nx1
+    l_neg = torch.einsum("nc,ck->nk", q, queue)  # negative logits: NxK
+    logits = torch.cat([l_pos, l_neg], dim=1) / temperature  # Nx(1+K)
+    labels = torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device)
+    return logits, labels
+
+
+@torch.no_grad()
+def batch_shuffle(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Shuffle a batch across all processes (shuffle-BN); in one process, a permutation of the batch.
+
+    Args:
+        x: [N, ...] this process's batch.
+
+    Returns:
+        ``(x_shuffled, idx_unshuffle)``: [N, ...] images now belonging to random samples of the global batch,
+        and the [world*N] index that :func:`batch_unshuffle` uses to put the outputs back.
+    """
+    x_all = dist.gather_no_grad(x)
+    perm = torch.randperm(x_all.shape[0], device=x.device)
+    dist.broadcast(perm, src=0)  # every process must agree on the permutation
+    idx_unshuffle = torch.argsort(perm)
+    this_rank = perm.view(dist.world_size(), -1)[dist.rank()]
+    return x_all[this_rank], idx_unshuffle
+
+
+@torch.no_grad()
+def batch_unshuffle(x: torch.Tensor, idx_unshuffle: torch.Tensor) -> torch.Tensor:
+    """Undo :func:`batch_shuffle` on the encoder outputs: [N, ...] -> [N, ...] in the original order."""
+    x_all = dist.gather_no_grad(x)
+    this_rank = idx_unshuffle.view(dist.world_size(), -1)[dist.rank()]
+    return x_all[this_rank]
+
+
+def momentum_update_(key_params: list[torch.Tensor], query_params: list[torch.Tensor], m: float) -> None:
+    """In place, for each pair: ``key = m * key + (1 - m) * query``."""
+    torch._foreach_mul_(key_params, m)
+    torch._foreach_add_(key_params, query_params, alpha=1.0 - m)
+
+
+class MoCo(nn.Module):
+    """What every MoCo version shares: a query encoder and its momentum (EMA) copy, the key encoder.
+
+    Subclasses build the projector (:meth:`build_projector`) and define the loss (:meth:`forward`).
+    """
+
+    def __init__(self, backbone: nn.Module, feature_dim: int, dim: int, mlp_hidden: int, temperature: float):
+        super().__init__()
+        self.temperature = temperature
+        self.feature_dim = feature_dim
+        self.encoder_q = Encoder(backbone, self.build_projector(feature_dim, mlp_hidden or feature_dim, dim))
+        self.encoder_k = copy.deepcopy(self.encoder_q)
+        for p in self.encoder_k.parameters():
+            p.requires_grad = False  # the key encoder follows the query encoder by EMA only
+
+    @property
+    def backbone(self) -> nn.Module:
+        """The representation to export and evaluate: the query encoder's backbone."""
+        return self.encoder_q.backbone
+
+    def build_projector(self, in_dim: int, hidden_dim: int, out_dim: int) -> nn.Module:
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def momentum_update(self, m: float) -> None:
+        """Key encoder parameters <- m * key + (1 - m) * query."""
+        momentum_update_(list(self.encoder_k.parameters()), list(self.encoder_q.parameters()), m)
+
+    def forward(self, x1: torch.Tensor, x2: torch.Tensor, m: float) -> torch.Tensor:
+        """Return the loss for two views ``x1``, ``x2`` ([N, 3, H, W]) with key-encoder momentum ``m``."""
+        raise NotImplementedError
+
+
+class MoCoV2(MoCo):
+    """MoCo v2: 2-layer MLP projector, a queue of K negative keys, shuffle-BN, InfoNCE with temperature."""
+
+    def __init__(self, backbone: nn.Module, feature_dim: int, dim: int = 128, mlp_hidden: int = 0,
+                 temperature: float = 0.2, queue_size: int = 65536):
+        super().__init__(backbone, feature_dim, dim, mlp_hidden, temperature)
+        self.register_buffer("queue", F.normalize(torch.randn(dim, queue_size), dim=0))  # CxK
+        self.register_buffer("queue_ptr", torch.zeros(1, dtype=torch.long))
+
+    def build_projector(self, in_dim: int, hidden_dim: int, out_dim: int) -> nn.Module:
+        return nn.Sequential(nn.Linear(in_dim, hidden_dim), nn.ReLU(inplace=True), nn.Linear(hidden_dim, out_dim))
+
+    @torch.no_grad()
+    def dequeue_and_enqueue(self, keys: torch.Tensor) -> None:
+        """Replace the oldest queue entries with ``keys`` ([N, C]) gathered from every process."""
+        keys = dist.gather_no_grad(keys)
+        batch_size = keys.shape[0]
+        queue_size = self.queue.shape[1]
+        if queue_size % batch_size:  # TrainConfig validates this; keep the invariant explicit here
+            raise ValueError(f"queue size {queue_size} must be a multiple of the global batch {batch_size}")
+        ptr = int(self.queue_ptr)
+        self.queue[:, ptr:ptr + batch_size] = keys.T.to(self.queue.dtype)
+        self.queue_ptr[0] = (ptr + batch_size) % queue_size  # wraps to 0 when the queue is full
+
+    def forward(self, x1: torch.Tensor, x2: torch.Tensor, m: float) -> torch.Tensor:
+        """InfoNCE loss of queries from ``x1`` against the positive keys from ``x2`` and the queue."""
+        q = F.normalize(self.encoder_q(x1), dim=1)  # queries: NxC
+
+        with torch.no_grad():
+            self.momentum_update(m)  # update the key encoder before computing keys
+            x2, idx_unshuffle = batch_shuffle(x2)  # shuffle-BN: BN statistics must not reveal the positive
+            k = F.normalize(self.encoder_k(x2), dim=1)  # keys: NxC
+            k = batch_unshuffle(k, idx_unshuffle)
+
+        logits, labels = info_nce_logits(q, k.to(q.dtype), self.queue.clone().detach().to(q.dtype), self.temperature)
+        loss = F.cross_entropy(logits.float(), labels)
+        self.dequeue_and_enqueue(k)
+        return loss

@@ -1,0 +1,39 @@
+"""The training plot: loss per step and k-NN accuracy per epoch, read back from ``metrics.jsonl``."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    path = Path(path)
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def plot_metrics(metrics_path: str | Path, out_png: str | Path) -> Path:
+    """Draw loss (left axis, by step) and k-NN top-1 accuracy (right axis, by epoch) into ``out_png``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(metrics_path)
+    steps = [(r["step"], r["loss"]) for r in rows if r.get("kind") == "step"]
+    knn = [(r["step"], 100 * r["knn_acc"]) for r in rows if r.get("kind") == "epoch" and r.get("knn_acc") is not None]
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
+    if steps:
+        ax.plot(*zip(*steps), color="tab:blue", label="loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("InfoNCE loss", color="tab:blue")
+    if knn:
+        ax2 = ax.twinx()
+        ax2.plot(*zip(*knn), "o-", color="tab:orange", label="k-NN top-1")
+        ax2.set_ylabel("k-NN top-1 accuracy (%)", color="tab:orange")
+    ax.set_title("MoCo training")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out_png)
+    plt.close(fig)
+    return Path(out_png)
