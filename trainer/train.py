@@ -49,6 +49,7 @@ class TrainResult:
     knn_acc: float | None
     images: int
     skipped: int
+    model: torch.nn.Module | None = None  # the trained MoCo model (unwrapped from DDP), on its device
 
 
 def resolve_device(name: str, local_rank: int = 0) -> torch.device:
@@ -289,7 +290,7 @@ def _train(cfg: TrainConfig, device: torch.device, resume, stop_at_epoch) -> Tra
         dist.barrier()
     if ckpt is not None and end_epoch <= start_epoch:
         LOG.info("%s already trained for %d of %d epochs; nothing to do", run_dir, start_epoch, cfg.epochs)
-    return TrainResult(run_dir, max(start_epoch, end_epoch), step, loss_value, knn_acc, len(images), len(skipped))
+    return TrainResult(run_dir, max(start_epoch, end_epoch), step, loss_value, knn_acc, len(images), len(skipped), model)
 
 
 def _save(run_dir: Path, cfg: TrainConfig, model, optimizer, epoch: int, step: int) -> None:

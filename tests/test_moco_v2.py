@@ -1,0 +1,136 @@
+"""MoCo v2 building blocks against hand computations: InfoNCE, queue, momentum update, shuffle-BN, split-BN."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from trainer.backbones import SplitBatchNorm2d, build_resnet
+from trainer.build import lr_at
+from trainer.config import TrainConfig
+from trainer.errors import ConfigError
+from trainer.moco import MoCoV2, batch_shuffle, batch_unshuffle, info_nce_logits, momentum_update_
+
+
+def test_info_nce_logits__match_hand_computation():
+    q = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
+    k = torch.tensor([[0.6, 0.8], [0.0, 1.0]])
+    queue = torch.tensor([[1.0, 0.0, -1.0], [0.0, 1.0, 0.0]])  # columns are keys: (1,0), (0,1), (-1,0)
+    logits, labels = info_nce_logits(q, k, queue, temperature=0.5)
+    expected = torch.tensor([[0.6, 1.0, 0.0, -1.0], [1.0, 0.0, 1.0, 0.0]]) / 0.5
+    torch.testing.assert_close(logits, expected)
+    assert labels.tolist() == [0, 0]
+    loss = F.cross_entropy(logits, labels)
+    row0 = -math.log(math.exp(1.2) / (math.exp(1.2) + math.exp(2.0) + 1 + math.exp(-2.0)))
+    row1 = -math.log(math.exp(2.0) / (math.exp(2.0) + 1 + math.exp(2.0) + 1))
+    assert loss.item() == pytest.approx((row0 + row1) / 2, rel=1e-6)
+
+
+def _tiny_moco(queue_size: int = 8, dim: int = 4) -> MoCoV2:
+    backbone, feature_dim = build_resnet("resnet18", "imagenet")
+    return MoCoV2(backbone, feature_dim, dim=dim, queue_size=queue_size)
+
+
+def test_queue__wraps_when_full():
+    model = _tiny_moco(queue_size=6, dim=4)
+    batches = [torch.full((2, 4), float(i)) for i in range(1, 5)]
+    for keys in batches[:3]:
+        model.dequeue_and_enqueue(keys)
+    assert int(model.queue_ptr) == 0  # 3 batches of 2 filled 6 slots and wrapped
+    model.dequeue_and_enqueue(batches[3])
+    assert int(model.queue_ptr) == 2
+    assert model.queue[:, 0:2].eq(4.0).all()  # the oldest keys were overwritten
+    assert model.queue[:, 2:4].eq(2.0).all() and model.queue[:, 4:6].eq(3.0).all()
+
+
+def test_queue__rejects_batch_not_dividing_queue():
+    model = _tiny_moco(queue_size=6)
+    with pytest.raises(ValueError, match="multiple"):
+        model.dequeue_and_enqueue(torch.zeros(4, 4))
+
+
+def test_momentum_update__follows_formula():
+    key = [torch.tensor([1.0, 2.0]), torch.tensor([[3.0]])]
+    query = [torch.tensor([0.0, 4.0]), torch.tensor([[-1.0]])]
+    momentum_update_(key, query, 0.9)
+    torch.testing.assert_close(key[0], torch.tensor([0.9, 2.2]))
+    torch.testing.assert_close(key[1], torch.tensor([[2.6]]))
+
+
+def test_momentum_update__key_encoder_starts_as_copy_and_moves_towards_query():
+    model = _tiny_moco()
+    for pq, pk in zip(model.encoder_q.parameters(), model.encoder_k.parameters()):
+        assert torch.equal(pq, pk) and not pk.requires_grad
+    with torch.no_grad():
+        for p in model.encoder_q.parameters():
+            p.add_(1.0)
+    before = [p.clone() for p in model.encoder_k.parameters()]
+    model.momentum_update(0.99)
+    for pk, b in zip(model.encoder_k.parameters(), before):
+        torch.testing.assert_close(pk, b + 0.01)
+
+
+def test_batch_shuffle__unshuffle_is_identity_on_outputs():
+    x = torch.arange(24.0).view(8, 3)
+    shuffled, idx_unshuffle = batch_shuffle(x)
+    assert not torch.equal(shuffled, x) or x.shape[0] == 1
+    assert sorted(shuffled[:, 0].tolist()) == x[:, 0].tolist()  # a permutation
+    outputs = shuffled * 2 + 1  # any per-sample function
+    torch.testing.assert_close(batch_unshuffle(outputs, idx_unshuffle), x * 2 + 1)
+
+
+def test_split_bn__normalises_each_group_separately_and_is_plain_bn_in_eval():
+    torch.manual_seed(0)
+    bn = SplitBatchNorm2d(3, num_splits=2)
+    x = torch.randn(8, 3, 4, 4)
+    x[0::2] += 5.0  # group 0 (even samples) has a different mean from group 1
+    out = bn(x)
+    for g in range(2):
+        group = out[g::2]
+        torch.testing.assert_close(group.mean(dim=(0, 2, 3)), torch.zeros(3), atol=1e-5, rtol=0)
+    plain = torch.nn.BatchNorm2d(3)
+    plain.load_state_dict(bn.state_dict())
+    bn.eval(), plain.eval()
+    torch.testing.assert_close(bn(x), plain(x))
+
+
+def test_forward__returns_finite_loss_and_enqueues_keys():
+    torch.manual_seed(0)
+    backbone, feature_dim = build_resnet("resnet18", "imagenet", bn_splits=2)
+    model = MoCoV2(backbone, feature_dim, dim=8, queue_size=16)
+    queue_before = model.queue.clone()
+    loss = model(torch.randn(4, 3, 32, 32), torch.randn(4, 3, 32, 32), 0.99)
+    assert torch.isfinite(loss) and loss.item() > 0
+    loss.backward()
+    assert model.encoder_q.backbone.conv1.weight.grad is not None
+    assert model.encoder_k.backbone.conv1.weight.grad is None
+    assert int(model.queue_ptr) == 4 and not torch.equal(model.queue[:, :4], queue_before[:, :4])
+
+
+def test_lr_schedule__warmup_then_cosine_to_zero():
+    cfg = TrainConfig(data_dir="-", out_dir="-", epochs=10, batch_size=256, lr=0.03, warmup_epochs=1, queue_size=256)
+    assert lr_at(cfg, 0, 100) == pytest.approx(0.03 / 100)
+    assert lr_at(cfg, 99, 100) == pytest.approx(0.03)
+    assert lr_at(cfg, 100, 100) == pytest.approx(0.03)
+    assert lr_at(cfg, 550, 100) == pytest.approx(0.015)
+    assert lr_at(cfg, 999, 100) == pytest.approx(0.0, abs=1e-5)
+
+
+def test_config__round_trips_json_and_scales_lr():
+    cfg = TrainConfig(data_dir="d", out_dir="o", batch_size=512, queue_size=1024, amp=True)
+    assert TrainConfig.from_json(cfg.to_json()) == cfg
+    assert cfg.effective_lr == pytest.approx(0.06)
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"queue_size": 1000, "batch_size": 256}, "not a multiple"),
+    ({"arch": "vgg"}, "unknown --arch"),
+    ({"temperature": 0}, "must be positive"),
+    ({"momentum": 1.0}, r"\[0, 1\)"),
+    ({"device": "tpu"}, "unknown --device"),
+])
+def test_config__rejects_bad_values(changes, message):
+    with pytest.raises(ConfigError, match=message):
+        TrainConfig(data_dir="d", out_dir="o", **changes)

@@ -1,0 +1,130 @@
+"""The training loop end to end on CPU: bad inputs, unreadable files, checkpoints and exact resume."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from app.cli import main
+from tests.conftest import tiny_train_config
+from trainer.checkpoint import load_checkpoint
+from trainer.demo_data import write_demo_dataset
+from trainer.errors import ArtifactError
+from trainer.train import train
+
+
+def _cli(*args: str) -> list[str]:
+    return ["train", *args, "--arch", "resnet18", "--image-size", "32", "--workers", "0", "--device", "cpu",
+            "--knn-every", "0"]
+
+
+def test_train__missing_folder_is_one_line_error_and_writes_nothing(tmp_path, capsys):
+    out = tmp_path / "run"
+    code = main(_cli(str(tmp_path / "nope"), "--out", str(out), "--batch-size", "16", "--queue-size", "64"))
+    err = capsys.readouterr().err
+    assert code == 3 and err.count("\n") == 1 and "image folder not found" in err
+    assert not out.exists()
+
+
+def test_train__empty_folder_is_refused(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "notes.txt").write_text("not an image")
+    code = main(_cli(str(tmp_path / "empty"), "--out", str(tmp_path / "run"), "--batch-size", "16", "--queue-size", "64"))
+    assert code == 3 and "no readable images" in capsys.readouterr().err
+
+
+def test_train__fewer_images_than_a_batch_is_refused(shapes_dir, tmp_path, capsys):
+    code = main(_cli(str(shapes_dir), "--out", str(tmp_path / "run"), "--batch-size", "128", "--queue-size", "256"))
+    err = capsys.readouterr().err
+    assert code == 3 and "fewer than one batch (128)" in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_train__queue_not_multiple_of_batch_is_refused(shapes_dir, tmp_path, capsys):
+    code = main(_cli(str(shapes_dir), "--out", str(tmp_path / "run"), "--batch-size", "16", "--queue-size", "100"))
+    err = capsys.readouterr().err
+    assert code == 2 and "--queue-size 100 is not a multiple of the global --batch-size 16" in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a usable GPU")
+def test_train__cuda_without_gpu_is_refused(shapes_dir, tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "app.cli", "train", str(shapes_dir), "--out", str(tmp_path / "run"), "--device", "cuda",
+         "--batch-size", "16", "--queue-size", "64"], capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "moco: error: --device cuda requested but no CUDA GPU is usable here; use --device cpu"
+    assert not (tmp_path / "run").exists()
+
+
+def test_train__unwritable_run_dir_is_refused(shapes_dir, tmp_path, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    code = main(_cli(str(shapes_dir), "--out", str(blocker / "run"), "--batch-size", "16", "--queue-size", "64"))
+    err = capsys.readouterr().err
+    assert code == 5 and "cannot write to run directory" in err and err.count("\n") == 1
+
+
+def test_train__skips_unreadable_files_and_lists_them(tmp_path):
+    data = write_demo_dataset(tmp_path / "data", per_class=4, size=32, classes=("circle", "square", "star", "ring"))
+    (data / "circle" / "empty.jpg").write_bytes(b"")
+    (data / "square" / "text.jpg").write_text("this is not a jpeg")
+    good = (data / "star" / "star_00000.png").read_bytes()
+    (data / "star" / "truncated.png").write_bytes(good[: len(good) // 2])
+    result = train(tiny_train_config(data, tmp_path / "run", epochs=1))
+    assert result.images == 16 and result.skipped == 3 and result.epochs_done == 1
+    listed = (tmp_path / "run" / "skipped_files.txt").read_text().splitlines()
+    assert sorted(line.split("\t")[0] for line in listed) == ["circle/empty.jpg", "square/text.jpg", "star/truncated.png"]
+
+
+def test_train__writes_run_directory_artifacts(shapes_dir, tmp_path):
+    run = tmp_path / "run"
+    train(tiny_train_config(shapes_dir, run, epochs=2, save_every=1, knn_every=1))
+    names = {p.name for p in run.iterdir()}
+    assert {"config.json", "checkpoint_last.pt", "checkpoint_0001.pt", "checkpoint_0002.pt", "metrics.jsonl",
+            "metrics.png", "skipped_files.txt"} <= names
+    assert not [n for n in names if ".tmp" in n]
+    assert json.loads((run / "config.json").read_text())["arch"] == "resnet18"
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    epochs = [r for r in rows if r["kind"] == "epoch"]
+    assert [r["epoch"] for r in epochs] == [0, 1, 2] and all(0 <= r["knn_acc"] <= 1 for r in epochs)
+    assert len([r for r in rows if r["kind"] == "step"]) == 2 * (96 // 16)
+    ckpt = load_checkpoint(run)
+    assert ckpt["epoch"] == 2 and ckpt["step"] == 12 and "queue" in ckpt["model"] and "optimizer" in ckpt
+
+
+def test_train__resume_gives_same_parameters_as_straight_run(shapes_dir, tmp_path):
+    straight = train(tiny_train_config(shapes_dir, tmp_path / "straight", epochs=2))
+    first = train(tiny_train_config(shapes_dir, tmp_path / "resumed", epochs=2), stop_at_epoch=1)
+    assert first.epochs_done == 1 and load_checkpoint(tmp_path / "resumed")["step"] == 6
+    resumed = train(tiny_train_config(shapes_dir, tmp_path / "resumed", epochs=2))  # picks up checkpoint_last.pt
+    assert straight.steps == resumed.steps == 12
+    a = load_checkpoint(tmp_path / "straight")
+    b = load_checkpoint(tmp_path / "resumed")
+    for name, tensor in a["model"].items():
+        assert torch.equal(tensor, b["model"][name]), name
+    assert a["config"]["run_id"] != "" and b["config"]["run_id"] == json.loads(
+        (tmp_path / "resumed" / "config.json").read_text())["run_id"]
+
+
+def test_train__resume_with_different_architecture_is_refused(shapes_dir, tmp_path):
+    train(tiny_train_config(shapes_dir, tmp_path / "run", epochs=2), stop_at_epoch=1)
+    with pytest.raises(Exception, match="was trained with arch='resnet18'"):
+        train(tiny_train_config(shapes_dir, tmp_path / "run", epochs=2, arch="resnet34"))
+
+
+def test_load_checkpoint__foreign_and_corrupt_files_are_artifact_errors(tmp_path):
+    torch.save({"state_dict": {}}, tmp_path / "foreign.pt")
+    (tmp_path / "corrupt.pt").write_bytes(b"\x00garbage")
+    with pytest.raises(ArtifactError, match="not a moco-retrieval checkpoint"):
+        load_checkpoint(tmp_path / "foreign.pt")
+    with pytest.raises(ArtifactError, match="cannot read checkpoint"):
+        load_checkpoint(tmp_path / "corrupt.pt")
+    with pytest.raises(ArtifactError, match="no checkpoint at"):
+        load_checkpoint(tmp_path)
