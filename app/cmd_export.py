@@ -1,0 +1,55 @@
+"""``moco export``: a trained checkpoint's encoder as a self-describing, verified ONNX file."""
+from __future__ import annotations
+
+import argparse
+
+EPILOG_EXPORT = """\
+The file takes uint8 RGB pixels [N, H, W, 3] at the model's image size (named 'images') and returns
+L2-normalized float32 embeddings [N, D] (named 'embeddings'); its metadata says the image size, resize
+policy, normalization, architecture and training run, so `moco index` and `moco serve` need nothing else.
+
+examples:
+  moco export runs/photos --out encoder.onnx                  # the run's last checkpoint
+  moco export runs/photos/checkpoint_0100.pt --out e100.onnx  # a particular checkpoint
+  moco export runs/photos --out encoder-fp16.onnx --fp16      # half the size, cosine >= 0.999 to fp32
+"""
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from trainer.export import export_encoder
+
+    result = export_encoder(args.checkpoint, args.out, fp16=args.fp16, opset=args.opset, verify=args.verify)
+    meta = result.metadata
+    if result.checks:
+        print(f"verified ONNX Runtime against PyTorch on {result.image_source}:")
+        for check in result.checks:
+            print(f"  {check.describe(result.tolerance)}")
+    else:
+        print("verification skipped (--no-verify)")
+    size_mb = result.path.stat().st_size / 1e6
+    print(f"wrote {result.path} ({size_mb:.1f} MB, {meta['precision']}): MoCo v{meta['moco_version']} {meta['arch']}, "
+          f"input uint8 [N, {meta['image_size']}, {meta['image_size']}, 3], output float32 "
+          f"[N, {meta['embedding_dim']}]")
+    return 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser("export", help="export a trained encoder to ONNX for indexing and serving",
+                       description="Export the encoder of a training run (the query backbone, without the "
+                                   "projection/prediction heads) to one ONNX file, then check that ONNX Runtime "
+                                   "gives the same embeddings as PyTorch on a few of the run's images. The file "
+                                   "is written only if the check passes.",
+                       epilog=EPILOG_EXPORT, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("checkpoint", metavar="RUN_DIR_OR_CHECKPOINT",
+                   help="a run directory from `moco train` (uses its checkpoint_last.pt) or a checkpoint .pt file")
+    p.add_argument("--out", required=True, metavar="ENCODER_ONNX", help="the .onnx file to write, e.g. encoder.onnx")
+    p.add_argument("--fp16", action="store_true",
+                   help="store the network in float16: half the file size, faster on GPUs; input and output "
+                        "types stay the same")
+    # No trainer import here (it pulls in torch, and `moco --help` must stay instant); a test keeps the
+    # numbers in this help equal to trainer.export's DEFAULT_OPSET / MIN_OPSET / MAX_OPSET.
+    p.add_argument("--opset", type=int, default=None,
+                   help="ONNX opset version, 14-20 (default 17); lower it only for an old runtime")
+    p.add_argument("--no-verify", dest="verify", action="store_false",
+                   help="skip the ONNX Runtime vs PyTorch check (not recommended)")
+    p.set_defaults(func=cmd_export)

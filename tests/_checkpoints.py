@@ -1,0 +1,47 @@
+"""Real checkpoints without training: a model built from a config, made non-trivial, saved in the run format.
+
+Training even one epoch costs tens of seconds on a shared CPU; export only needs a checkpoint file in the
+format ``moco train`` writes. The BN running statistics are randomised (so eval-mode BN is not the identity)
+and the momentum (key) encoder gets different weights from the query encoder, so a test can tell which one
+an export used.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from tests.conftest import tiny_train_config
+from trainer.build import build_model
+from trainer.checkpoint import CHECKPOINT_FORMAT, CHECKPOINT_VERSION, LAST, save_atomic
+
+
+def write_checkpoint(data_dir: Path | None, run_dir: Path, seed: int = 0, **overrides) -> Path:
+    """Write ``run_dir/checkpoint_last.pt`` for ``tiny_train_config`` + ``overrides``; returns ``run_dir``."""
+    cfg = tiny_train_config(data_dir or run_dir / "no-data", run_dir, run_id=f"test-run-{seed}", **overrides)
+    torch.manual_seed(seed)
+    model = build_model(cfg, bn_splits=1)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
+                module.running_mean.uniform_(-0.2, 0.2)
+                module.running_var.uniform_(0.5, 2.0)
+        for param in model.encoder_k.parameters():  # a momentum encoder that differs from the query encoder
+            param.add_(0.5 * torch.randn_like(param))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    save_atomic({
+        "format": CHECKPOINT_FORMAT, "format_version": CHECKPOINT_VERSION, "run_id": cfg.run_id,
+        "config": cfg.to_dict(), "model": model.state_dict(), "epoch": 3, "step": 42,
+    }, run_dir / LAST)
+    return run_dir
+
+
+def key_backbone(run_dir: Path) -> torch.nn.Module:
+    """The momentum encoder's backbone of a checkpoint (the one an export must NOT use), eval mode."""
+    from trainer.checkpoint import load_checkpoint
+    from trainer.config import TrainConfig
+
+    ckpt = load_checkpoint(run_dir)
+    model = build_model(TrainConfig.from_dict(ckpt["config"]), bn_splits=1)
+    model.load_state_dict(ckpt["model"])
+    return model.encoder_k.backbone.eval()

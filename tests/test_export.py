@@ -1,0 +1,224 @@
+"""ONNX export: parity with PyTorch, the file's contract and metadata, atomic writes, and clear errors."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+
+from app.cli import main
+from indexer.encoder import ONNX_FORMAT, ONNX_FORMAT_VERSION, read_encoder_metadata
+from tests._checkpoints import key_backbone, write_checkpoint
+from trainer.errors import ArtifactError, ConfigError, ExportError, OutputError
+from trainer.export import (DEFAULT_OPSET, ENCODER_FORMAT, ENCODER_FORMAT_VERSION, FP32_TOLERANCE, MAX_OPSET,
+                            MIN_OPSET, ParityTolerance, export_encoder, load_backbone, reference_embeddings,
+                            verification_images)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)  # the test machine's cores are shared
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module")
+def v2_run(shapes_dir, tmp_path_factory) -> Path:
+    return write_checkpoint(shapes_dir, tmp_path_factory.mktemp("v2") / "run")
+
+
+@pytest.fixture(scope="module")
+def v2_onnx(v2_run) -> tuple[Path, object]:
+    torch.set_num_threads(1)
+    out = v2_run.parent / "encoder.onnx"
+    return out, export_encoder(v2_run, out)
+
+
+def _ort(path: Path, images: np.ndarray) -> np.ndarray:
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    return session.run(["embeddings"], {"images": images})[0]
+
+
+def _images(n: int, size: int = 32, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (n, size, size, 3), dtype=np.uint8)
+
+
+def _assert_parity(path: Path, run_dir: Path, max_abs: float = 1e-4, min_cosine: float = 0.9999) -> None:
+    backbone, _, _ = load_backbone(run_dir)
+    for n in (1, 7):
+        images = _images(n)
+        got, want = _ort(path, images), reference_embeddings(backbone, images)
+        assert got.dtype == np.float32 and got.shape == want.shape
+        assert np.abs(got - want).max() <= max_abs
+        assert (got * want).sum(1).min() >= min_cosine
+
+
+def test_export__v2_resnet18_matches_pytorch_at_batch_1_and_7(shapes_dir, v2_run, v2_onnx):
+    path, result = v2_onnx
+    assert path.is_file() and [c.batch_size for c in result.checks] == [1, 7]
+    assert all(c.passed and c.max_abs <= 1e-4 and c.min_cosine >= 0.9999 for c in result.checks)
+    assert result.image_source == f"7 images from {shapes_dir}"  # the run's own data
+    _assert_parity(path, v2_run)
+
+
+def test_export__uses_query_backbone_not_momentum_encoder(v2_run, v2_onnx):
+    images = _images(4, seed=3)
+    got = _ort(v2_onnx[0], images)
+    key = reference_embeddings(key_backbone(v2_run), images)
+    assert np.abs(got - key).max() > 1e-2
+    model = onnx.load(str(v2_onnx[0]))
+    assert not any("head" in init.name or "encoder_k" in init.name for init in model.graph.initializer)
+
+
+def test_export__graph_contract_uint8_nhwc_in_l2_normalized_float32_out(v2_onnx):
+    model = onnx.load(str(v2_onnx[0]))
+    (inp,), (out,) = model.graph.input, model.graph.output
+    in_dims = [d.dim_param or d.dim_value for d in inp.type.tensor_type.shape.dim]
+    out_dims = [d.dim_param or d.dim_value for d in out.type.tensor_type.shape.dim]
+    assert inp.name == "images" and inp.type.tensor_type.elem_type == onnx.TensorProto.UINT8
+    assert in_dims == ["batch", 32, 32, 3]
+    assert out.name == "embeddings" and out.type.tensor_type.elem_type == onnx.TensorProto.FLOAT
+    assert out_dims == ["batch", 512]
+    for n in (1, 3, 8):  # dynamic batch
+        emb = _ort(v2_onnx[0], _images(n, seed=n))
+        assert emb.shape == (n, 512)
+        np.testing.assert_allclose(np.linalg.norm(emb, axis=1), 1.0, atol=1e-5)
+
+
+def test_export__metadata_round_trips(v2_run, v2_onnx):
+    meta = read_encoder_metadata(v2_onnx[0])
+    assert (ENCODER_FORMAT, ENCODER_FORMAT_VERSION) == (ONNX_FORMAT, ONNX_FORMAT_VERSION)
+    assert meta["format"] == ONNX_FORMAT and meta["format_version"] == ONNX_FORMAT_VERSION
+    assert meta["image_size"] == 32 and meta["embedding_dim"] == 512
+    assert meta["arch"] == "resnet18" and meta["moco_version"] == 2
+    assert meta["resize"] == "shorter_side_center_crop"
+    assert meta["mean"] == [0.485, 0.456, 0.406] and meta["std"] == [0.229, 0.224, 0.225]
+    assert meta["run_id"] == "test-run-0" and meta["checkpoint_epoch"] == 3 and meta["checkpoint_step"] == 42
+    assert meta["precision"] == "fp32" and meta["opset"] == DEFAULT_OPSET
+    assert v2_onnx[1].metadata["run_id"] == "test-run-0"
+
+
+def test_export__fp16_is_smaller_and_within_cosine_limit(v2_run, v2_onnx, tmp_path):
+    out = tmp_path / "encoder-fp16.onnx"
+    result = export_encoder(v2_run, out, fp16=True)
+    assert result.tolerance.max_abs is None and result.tolerance.min_cosine == 0.999
+    assert all(c.passed for c in result.checks)
+    assert out.stat().st_size < 0.6 * v2_onnx[0].stat().st_size
+    assert read_encoder_metadata(out)["precision"] == "fp16"
+    _assert_parity(out, v2_run, max_abs=5e-2, min_cosine=0.999)
+
+
+def test_export__mismatch_fails_and_leaves_no_file(v2_run, tmp_path):
+    out = tmp_path / "encoder.onnx"
+    impossible = ParityTolerance(max_abs=FP32_TOLERANCE.max_abs, min_cosine=1.5)
+    with pytest.raises(ExportError, match="does not match PyTorch"):
+        export_encoder(v2_run, out, tolerance=impossible)
+    assert list(tmp_path.iterdir()) == []  # neither the file nor its temporary
+
+
+def test_export__mismatch_keeps_previous_file(v2_run, tmp_path):
+    out = tmp_path / "encoder.onnx"
+    out.write_bytes(b"previous")
+    with pytest.raises(ExportError):
+        export_encoder(v2_run, out, tolerance=ParityTolerance(max_abs=None, min_cosine=1.5))
+    assert out.read_bytes() == b"previous" and [p.name for p in tmp_path.iterdir()] == ["encoder.onnx"]
+
+
+def test_export__rejects_missing_unreadable_and_foreign_checkpoints(tmp_path, v2_onnx):
+    out = tmp_path / "e.onnx"
+    with pytest.raises(ArtifactError, match="no checkpoint"):
+        export_encoder(tmp_path / "missing", out)
+    (tmp_path / "garbage.pt").write_bytes(b"\x00not a checkpoint" * 10)
+    with pytest.raises(ArtifactError, match="cannot read checkpoint"):
+        export_encoder(tmp_path / "garbage.pt", out)
+    torch.save({"state_dict": {}}, tmp_path / "other.pt")  # a torch file of another kind
+    with pytest.raises(ArtifactError, match="not a moco-retrieval checkpoint"):
+        export_encoder(tmp_path / "other.pt", out)
+    with pytest.raises(ArtifactError, match="is an ONNX file, not a checkpoint"):
+        export_encoder(v2_onnx[0], out)
+    assert not out.exists()
+
+
+def test_export__rejects_checkpoint_whose_weights_do_not_fit(v2_run, tmp_path):
+    ckpt = torch.load(v2_run / "checkpoint_last.pt", weights_only=False)
+    ckpt["config"]["arch"] = "resnet34"
+    torch.save(ckpt, tmp_path / "mismatch.pt")
+    with pytest.raises(ArtifactError, match="do not fit its configuration"):
+        export_encoder(tmp_path / "mismatch.pt", tmp_path / "e.onnx")
+
+
+def test_export__rejects_unwritable_output_before_any_work(tmp_path):
+    (tmp_path / "a_file").write_text("x")
+    missing_ckpt = tmp_path / "no-such-run"  # the output check must come first
+    with pytest.raises(OutputError, match="is a file, not a folder"):
+        export_encoder(missing_ckpt, tmp_path / "a_file" / "encoder.onnx")
+    with pytest.raises(OutputError, match="is a folder"):
+        export_encoder(missing_ckpt, tmp_path)
+    with pytest.raises(ConfigError, match="--opset must be between"):
+        export_encoder(missing_ckpt, tmp_path / "e.onnx", opset=MAX_OPSET + 1)
+
+
+def test_verification_images__generated_when_the_run_data_is_gone(tmp_path):
+    images, source = verification_images(str(tmp_path / "deleted"), 24)
+    assert images.dtype == np.uint8 and images.shape == (7, 24, 24, 3) and "generated" in source
+    assert images.std() > 10  # real drawings, not a blank batch
+
+
+def test_export_cli__prints_figures_and_writes_file(v2_run, tmp_path, capsys):
+    out = tmp_path / "cli.onnx"
+    assert main(["export", str(v2_run), "--out", str(out), "--opset", str(MIN_OPSET)]) == 0
+    printed = capsys.readouterr().out
+    assert "batch 1: max |onnx - torch|" in printed and "batch 7:" in printed and f"wrote {out}" in printed
+    assert read_encoder_metadata(out)["opset"] == MIN_OPSET
+
+
+def test_export_cli__foreign_checkpoint_is_one_line_error_in_a_real_process(tmp_path):
+    (tmp_path / "x.pt").write_bytes(b"PK\x03\x04 definitely not torch")
+    proc = subprocess.run([sys.executable, "-m", "app.cli", "export", str(tmp_path / "x.pt"), "--out",
+                           str(tmp_path / "e.onnx")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == ArtifactError.exit_code
+    assert proc.stderr.startswith("moco: error: cannot read checkpoint") and proc.stderr.count("\n") == 1
+    assert "Traceback" not in proc.stderr and not (tmp_path / "e.onnx").exists()
+
+
+def test_export_cli__help_states_the_real_opset_range(capsys):
+    with pytest.raises(SystemExit):
+        main(["export", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert f"{MIN_OPSET}-{MAX_OPSET} (default {DEFAULT_OPSET})" in text and "RUN_DIR_OR_CHECKPOINT" in text
+
+
+@pytest.mark.parametrize("arch", ["resnet18", "vit_tiny"])
+def test_export__v3_matches_pytorch_at_batch_1_and_7(arch, shapes_dir, tmp_path):
+    run = write_checkpoint(shapes_dir, tmp_path / "run", moco_version=3, arch=arch)
+    out = tmp_path / "encoder.onnx"
+    result = export_encoder(run, out)
+    assert [c.batch_size for c in result.checks] == [1, 7] and all(c.passed for c in result.checks)
+    meta = read_encoder_metadata(out)
+    assert meta["moco_version"] == 3 and meta["arch"] == arch
+    assert meta["embedding_dim"] == {"resnet18": 512, "vit_tiny": 192}[arch]
+    _assert_parity(out, run)
+    names = [init.name for init in onnx.load(str(out)).graph.initializer]
+    assert not any(part in name for name in names for part in ("encoder_k", "predictor", "projector"))
+
+
+def test_demo__exports_the_trained_encoder_next_to_the_run(v2_run, tmp_path):
+    from app.demo import export_demo_encoder
+
+    path = export_demo_encoder(v2_run, tmp_path)
+    assert path == tmp_path / "encoder.onnx" and read_encoder_metadata(path)["run_id"] == "test-run-0"
+
+
+def test_export__accepts_ddp_and_compile_wrapped_weights(v2_run, v2_onnx, tmp_path):
+    ckpt = torch.load(v2_run / "checkpoint_last.pt", weights_only=False)
+    ckpt["model"] = {f"module.{k.replace('encoder_q.', 'encoder_q._orig_mod.')}": v for k, v in ckpt["model"].items()}
+    torch.save(ckpt, tmp_path / "wrapped.pt")
+    out = export_encoder(tmp_path / "wrapped.pt", tmp_path / "e.onnx").path
+    images = _images(3, seed=9)
+    np.testing.assert_allclose(_ort(out, images), _ort(v2_onnx[0], images), atol=1e-6)

@@ -1,0 +1,416 @@
+"""ONNX export of a trained encoder: the query backbone (projection and prediction heads removed, never the
+momentum encoder) wrapped so the file takes raw pixels and returns unit-length embeddings.
+
+The file's contract (DESIGN.md, read back by ``indexer.encoder``): input ``images``, uint8 ``[N, H, W, 3]``
+RGB at the model's size, dynamic N; the graph casts to float, scales by 1/255, normalizes with the ImageNet
+mean/std and transposes to NCHW; output ``embeddings``, float32 ``[N, D]``, L2-normalized. ``metadata_props``
+carry everything a client needs (format and version, image size, resize policy, mean/std, embedding dim,
+arch, MoCo version, run id).
+
+Every export is checked before it is published: ONNX Runtime against PyTorch on real images from the run's
+data (generated shapes when the data is gone), batch sizes 1 and 7. The file is written to a temporary name
+in the output folder and renamed only after the check passes, so a failed export leaves nothing behind.
+
+We use torch's TorchScript-based exporter (``dynamo=False``): it needs no extra dependency, traces ResNets
+and timm ViTs alike with a dynamic batch axis, and is what timm's own ``onnx_export`` uses.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trainer.augment import EVAL_RESIZE_POLICY, IMAGENET_MEAN, IMAGENET_STD
+from trainer.errors import ArtifactError, ConfigError, ExportError, OutputError
+
+LOG = logging.getLogger(__name__)
+
+# Read by indexer.encoder (ONNX_FORMAT / ONNX_FORMAT_VERSION there); trainer never imports the indexer.
+ENCODER_FORMAT = "moco-retrieval/encoder"
+ENCODER_FORMAT_VERSION = 1
+INPUT_NAME = "images"
+OUTPUT_NAME = "embeddings"
+DEFAULT_OPSET = 17  # LayerNormalization is a single op from 17 on (ViT); ONNX Runtime >= 1.14 runs it
+MIN_OPSET, MAX_OPSET = 14, 20  # 14: scaled-dot-product attention decomposes; 20: newest we have verified
+VERIFY_BATCH_SIZES = (1, 7)
+
+
+@dataclass(frozen=True)
+class ParityTolerance:
+    """How close ONNX Runtime must be to PyTorch: ``max_abs`` over all entries (None: not checked) and the
+    smallest per-row cosine similarity."""
+
+    max_abs: float | None
+    min_cosine: float
+
+
+FP32_TOLERANCE = ParityTolerance(max_abs=1e-4, min_cosine=0.9999)
+FP16_TOLERANCE = ParityTolerance(max_abs=None, min_cosine=0.999)
+
+
+@dataclass
+class ParityCheck:
+    """One verification figure: ONNX Runtime vs PyTorch on ``batch_size`` images."""
+
+    batch_size: int
+    max_abs: float
+    min_cosine: float
+    passed: bool
+
+    def describe(self, tolerance: ParityTolerance) -> str:
+        limit = f"<= {tolerance.max_abs:g}" if tolerance.max_abs is not None else "not checked"
+        return (f"batch {self.batch_size}: max |onnx - torch| {self.max_abs:.2e} ({limit}), "
+                f"min cosine {self.min_cosine:.6f} (>= {tolerance.min_cosine:g}) "
+                f"{'ok' if self.passed else 'MISMATCH'}")
+
+
+@dataclass
+class ExportResult:
+    """What :func:`export_encoder` wrote and how it was checked."""
+
+    path: Path
+    metadata: dict[str, str]
+    checks: list[ParityCheck] = field(default_factory=list)
+    tolerance: ParityTolerance = FP32_TOLERANCE
+    image_source: str = ""  # where the verification images came from
+    seconds: float = 0.0
+
+
+class EncoderGraph(nn.Module):
+    """The exported computation: uint8 ``[N, H, W, 3]`` RGB -> float32 ``[N, D]`` unit vectors.
+
+    Mirrors ``eval_transform``'s tensor steps (``ToDtype(scale=True)`` then ``Normalize``) so the pixels a
+    client sends are treated exactly as in evaluation. With ``half`` the backbone runs in float16 while the
+    input scaling and the L2 normalization stay in float32.
+    """
+
+    def __init__(self, backbone: nn.Module, half: bool = False):
+        super().__init__()
+        self.backbone = backbone
+        self.half = half
+        self.register_buffer("mean", torch.tensor(IMAGENET_MEAN, dtype=torch.float32).view(1, 3, 1, 1))
+        self.register_buffer("std", torch.tensor(IMAGENET_STD, dtype=torch.float32).view(1, 3, 1, 1))
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        x = images.permute(0, 3, 1, 2).to(torch.float32) / 255.0  # NHWC uint8 -> NCHW in [0, 1]
+        x = (x - self.mean) / self.std
+        if self.half:
+            x = x.to(torch.float16)
+        features = self.backbone(x).to(torch.float32)  # NxD
+        return F.normalize(features, dim=1)
+
+
+# -- checkpoint -> backbone ------------------------------------------------------------------------------------
+def _strip_wrappers(state: dict) -> dict:
+    """Drop a leading ``module`` (DDP) and any ``_orig_mod`` (torch.compile wrapper) from the keys, should a
+    checkpoint written by other code carry them; ``moco train`` saves the unwrapped model."""
+    out = {}
+    for key, value in state.items():
+        parts = key.split(".")
+        if parts[0] == "module":
+            parts = parts[1:]
+        out[".".join(p for p in parts if p != "_orig_mod")] = value
+    return out
+
+
+def load_backbone(checkpoint: str | Path) -> tuple[nn.Module, "TrainConfig", dict]:
+    """Rebuild a checkpoint's query backbone in eval mode on the CPU (the heads and momentum encoder dropped).
+
+    Args:
+        checkpoint: a checkpoint file or a run directory (its ``checkpoint_last.pt``).
+
+    Returns:
+        ``(backbone, config, checkpoint dict)``; ``backbone`` maps ``[N, 3, H, W]`` float to ``[N, D]``.
+
+    Raises:
+        ArtifactError: missing or unreadable file, not a moco-retrieval checkpoint, or weights that do not
+            fit the configuration stored with them.
+    """
+    from trainer.build import build_model
+    from trainer.checkpoint import load_checkpoint
+    from trainer.config import TrainConfig
+
+    if Path(checkpoint).suffix.lower() == ".onnx":
+        raise ArtifactError(f"{checkpoint} is an ONNX file, not a checkpoint; pass the run directory or a "
+                            "checkpoint_*.pt from `moco train`")
+    ckpt = load_checkpoint(checkpoint)
+    where = ckpt.get("run_id") or str(checkpoint)
+    if not isinstance(ckpt.get("config"), dict) or not isinstance(ckpt.get("model"), dict):
+        raise ArtifactError(f"checkpoint {checkpoint} has no model configuration or weights; export a checkpoint "
+                            "written by `moco train`")
+    try:
+        cfg = TrainConfig.from_dict(ckpt["config"])
+        model = build_model(cfg, bn_splits=1)
+    except ConfigError as exc:
+        raise ArtifactError(f"cannot rebuild the model of checkpoint {checkpoint} ({exc}); it was written by a "
+                            "different moco-retrieval version") from exc
+    try:
+        model.load_state_dict(_strip_wrappers(ckpt["model"]))
+    except RuntimeError as exc:
+        first = str(exc).splitlines()[0]
+        raise ArtifactError(f"weights of checkpoint {checkpoint} do not fit its configuration ({first})") from exc
+    backbone = model.backbone.float().eval()
+    LOG.info("loaded %s: MoCo v%d %s, epoch %s, run %s", checkpoint, cfg.moco_version, cfg.arch,
+             ckpt.get("epoch"), where)
+    return backbone, cfg, ckpt
+
+
+@torch.no_grad()
+def embedding_dim(backbone: nn.Module, image_size: int) -> int:
+    """D of ``backbone`` at ``image_size``, by running one zero image."""
+    return int(backbone(torch.zeros(1, 3, image_size, image_size)).shape[1])
+
+
+# -- verification images ---------------------------------------------------------------------------------------
+def _first_images(root: Path, count: int) -> list[Path]:
+    """Up to ``count`` readable images under ``root`` in sorted walk order, without scanning the whole tree."""
+    from trainer.imagefolder import IMAGE_EXTENSIONS, check_image
+
+    found: list[Path] = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        for name in sorted(filenames):
+            if name.startswith(".") or not name.lower().endswith(IMAGE_EXTENSIONS):
+                continue
+            if check_image(Path(dirpath) / name) is None:
+                found.append(Path(dirpath) / name)
+                if len(found) == count:
+                    return found
+    return found
+
+
+def verification_images(data_dir: str | None, image_size: int, count: int = max(VERIFY_BATCH_SIZES)
+                        ) -> tuple[np.ndarray, str]:
+    """``count`` images as the encoder's input, uint8 ``[count, image_size, image_size, 3]``, and their source.
+
+    Real images from ``data_dir`` through torchvision's evaluation resize and center crop when at least
+    ``count`` are readable there; generated shapes otherwise.
+    """
+    from torchvision.transforms import v2 as T
+
+    from trainer.imagefolder import load_rgb
+
+    geometry = T.Compose([T.Resize(image_size, antialias=True), T.CenterCrop(image_size)])
+    if data_dir and Path(data_dir).is_dir():
+        paths = _first_images(Path(data_dir), count)
+        if len(paths) == count:
+            try:
+                batch = np.stack([np.asarray(geometry(load_rgb(p)), dtype=np.uint8) for p in paths])
+                return batch, f"{count} images from {data_dir}"
+            except OSError as exc:
+                LOG.warning("cannot use images of %s for verification (%s); using generated ones", data_dir, exc)
+    from trainer.demo_data import CLASSES, draw_shape
+
+    rng = np.random.default_rng(0)
+    batch = np.stack([np.asarray(draw_shape(CLASSES[i % len(CLASSES)], rng, image_size)) for i in range(count)])
+    return batch.astype(np.uint8), f"{count} generated images (the run's data {data_dir} is not available)"
+
+
+@torch.no_grad()
+def reference_embeddings(backbone: nn.Module, images: np.ndarray) -> np.ndarray:
+    """PyTorch float32 embeddings of uint8 ``[N, H, W, 3]`` images: torchvision's ``ToDtype(scale=True)`` and
+    ``Normalize`` (the tail of ``eval_transform``), the backbone, L2 normalization -> ``[N, D]``."""
+    from torchvision.transforms import v2 as T
+
+    to_input = T.Compose([T.ToDtype(torch.float32, scale=True), T.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
+    x = to_input(torch.from_numpy(images).permute(0, 3, 1, 2).contiguous())
+    return F.normalize(backbone(x), dim=1).numpy()
+
+
+def compare(onnx_out: np.ndarray, torch_out: np.ndarray, tolerance: ParityTolerance) -> ParityCheck:
+    """Max absolute difference and smallest row cosine between two ``[N, D]`` embedding arrays."""
+    a, b = onnx_out.astype(np.float64), torch_out.astype(np.float64)
+    max_abs = float(np.abs(a - b).max())
+    cosine = (a * b).sum(1) / np.maximum(np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1), 1e-12)
+    min_cosine = float(cosine.min())
+    ok = min_cosine >= tolerance.min_cosine and (tolerance.max_abs is None or max_abs <= tolerance.max_abs)
+    return ParityCheck(batch_size=a.shape[0], max_abs=max_abs, min_cosine=min_cosine, passed=bool(ok))
+
+
+def verify_onnx(path: Path, backbone: nn.Module, images: np.ndarray, tolerance: ParityTolerance
+                ) -> list[ParityCheck]:
+    """Run the file on ONNX Runtime (CPU) at batch sizes 1 and ``len(images)`` against ``backbone`` in PyTorch.
+
+    Args:
+        path: the ONNX file to check.
+        backbone: the float32 PyTorch backbone it was exported from (eval mode).
+        images: uint8 ``[N, H, W, 3]``.
+
+    Returns:
+        one :class:`ParityCheck` per batch size.
+    """
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.log_severity_level = 3
+    try:
+        session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    except Exception as exc:  # onnxruntime's Fail / InvalidGraph / NotImplemented
+        raise ExportError(f"ONNX Runtime cannot load the exported graph: {exc}".splitlines()[0]) from exc
+    reference = reference_embeddings(backbone, images)
+    checks = []
+    for n in sorted({1, len(images)}):
+        (out,) = session.run([OUTPUT_NAME], {INPUT_NAME: images[:n]})
+        if out.dtype != np.float32 or out.shape != reference[:n].shape:
+            raise ExportError(f"exported graph returns {out.dtype} {list(out.shape)}, expected float32 "
+                              f"{list(reference[:n].shape)}")
+        checks.append(compare(out, reference[:n], tolerance))
+    return checks
+
+
+# -- export ----------------------------------------------------------------------------------------------------
+def _check_output(out: Path) -> None:
+    """Fail early, before any work, when ``out`` cannot be written."""
+    if out.is_dir():
+        raise OutputError(f"--out {out} is a folder; give a file name such as {out / 'encoder.onnx'}")
+    for parent in out.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise OutputError(f"cannot write {out}: {parent} is a file, not a folder; choose another --out")
+            break
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        probe = out.with_name(f".{out.name}.probe.{os.getpid()}")
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise OutputError(f"cannot write {out}: {exc.strerror or exc}; choose another --out") from exc
+
+
+def _metadata(cfg, ckpt: dict, image_size: int, dim: int, fp16: bool, opset: int) -> dict[str, str]:
+    values = {
+        "format": ENCODER_FORMAT,
+        "format_version": ENCODER_FORMAT_VERSION,
+        "image_size": image_size,
+        "embedding_dim": dim,
+        "arch": cfg.arch,
+        "moco_version": cfg.moco_version,
+        "resize": EVAL_RESIZE_POLICY,
+        "mean": json.dumps(list(IMAGENET_MEAN)),
+        "std": json.dumps(list(IMAGENET_STD)),
+        "input": f"{INPUT_NAME}: uint8 [N, {image_size}, {image_size}, 3] RGB",
+        "output": f"{OUTPUT_NAME}: float32 [N, {dim}] L2-normalized",
+        "precision": "fp16" if fp16 else "fp32",
+        "run_id": ckpt.get("run_id") or cfg.run_id or "",
+        "checkpoint_epoch": int(ckpt.get("epoch", 0)),
+        "checkpoint_step": int(ckpt.get("step", 0)),
+        "opset": opset,
+        "torch_version": torch.__version__,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    return {key: str(value) for key, value in values.items()}
+
+
+def build_onnx(backbone: nn.Module, image_size: int, metadata: dict[str, str], fp16: bool, opset: int):
+    """Trace :class:`EncoderGraph` around ``backbone`` into an ``onnx.ModelProto`` carrying ``metadata``.
+
+    Raises:
+        ExportError: the exporter or the ONNX checker failed.
+    """
+    import io
+
+    import onnx
+
+    graph = EncoderGraph(copy.deepcopy(backbone).half() if fp16 else backbone, half=fp16).eval()
+    example = torch.zeros(2, image_size, image_size, 3, dtype=torch.uint8)  # 2, so nothing specialises on N=1
+    buffer = io.BytesIO()
+    try:
+        # The TorchScript exporter warns that it is deprecated and that traced shapes are constants; both
+        # are known and covered by the dynamic-batch verification.
+        with warnings.catch_warnings(), torch.no_grad():
+            warnings.simplefilter("ignore")
+            torch.onnx.export(
+                graph, (example,), buffer, dynamo=False, input_names=[INPUT_NAME], output_names=[OUTPUT_NAME],
+                dynamic_axes={INPUT_NAME: {0: "batch"}, OUTPUT_NAME: {0: "batch"}}, opset_version=opset,
+                do_constant_folding=True,
+            )
+        model = onnx.load_from_string(buffer.getvalue())
+        # The exporter leaves D symbolic after the L2 norm; state the contract's fixed [batch, D].
+        out_shape = model.graph.output[0].type.tensor_type.shape
+        out_shape.dim[0].dim_param = "batch"
+        out_shape.dim[1].dim_value = int(metadata["embedding_dim"])
+        onnx.helper.set_model_props(model, metadata)
+        model.producer_name = "moco-retrieval"
+        model.doc_string = (f"MoCo v{metadata['moco_version']} {metadata['arch']} encoder: "
+                            f"{metadata['input']} -> {metadata['output']}")
+        onnx.checker.check_model(model)
+    except Exception as exc:  # the exporter raises many types (RuntimeError, OnnxExporterError, checker errors)
+        raise ExportError(f"ONNX export of {metadata['arch']} failed at opset {opset}: "
+                          f"{type(exc).__name__}: {exc}".splitlines()[0] + "; try another --opset") from exc
+    return model
+
+
+def export_encoder(
+    checkpoint: str | Path,
+    out: str | Path,
+    fp16: bool = False,
+    opset: int | None = None,
+    verify: bool = True,
+    tolerance: ParityTolerance | None = None,
+) -> ExportResult:
+    """Export a checkpoint's query backbone to ``out`` as an encoder ONNX file, verified against PyTorch.
+
+    Args:
+        checkpoint: checkpoint file or run directory.
+        out: the ``.onnx`` file to write (replaced atomically if it exists).
+        fp16: store the backbone in float16 (half the size; input and output stay uint8 / float32).
+        opset: ONNX opset version, ``MIN_OPSET``-``MAX_OPSET`` (None: ``DEFAULT_OPSET``).
+        verify: compare ONNX Runtime with PyTorch before publishing the file.
+        tolerance: parity limits; default :data:`FP32_TOLERANCE` or :data:`FP16_TOLERANCE`.
+
+    Returns:
+        :class:`ExportResult` with the checks' figures.
+
+    Raises:
+        ConfigError: opset out of range. OutputError: ``out`` not writable.
+        ArtifactError: checkpoint missing, unreadable or foreign.
+        ExportError: export failed or the check found a mismatch (no file is left at ``out``).
+    """
+    tic = time.perf_counter()
+    opset = DEFAULT_OPSET if opset is None else opset
+    if not MIN_OPSET <= opset <= MAX_OPSET:
+        raise ConfigError(f"--opset must be between {MIN_OPSET} and {MAX_OPSET}, got {opset}")
+    out = Path(out)
+    _check_output(out)
+    tolerance = tolerance or (FP16_TOLERANCE if fp16 else FP32_TOLERANCE)
+    backbone, cfg, ckpt = load_backbone(checkpoint)
+    dim = embedding_dim(backbone, cfg.image_size)
+    metadata = _metadata(cfg, ckpt, cfg.image_size, dim, fp16, opset)
+    LOG.info("exporting %s (%d-d) to ONNX opset %d, %s", cfg.arch, dim, opset, metadata["precision"])
+    model = build_onnx(backbone, cfg.image_size, metadata, fp16, opset)
+
+    import onnx
+
+    result = ExportResult(path=out, metadata=metadata, tolerance=tolerance)
+    tmp = out.with_name(f".{out.name}.tmp.{os.getpid()}")
+    try:
+        try:
+            onnx.save(model, str(tmp))
+        except (OSError, ValueError) as exc:
+            raise OutputError(f"cannot write {out}: {getattr(exc, 'strerror', None) or exc}") from exc
+        if verify:
+            images, result.image_source = verification_images(cfg.data_dir, cfg.image_size)
+            LOG.info("checking ONNX Runtime against PyTorch on %s", result.image_source)
+            result.checks = verify_onnx(tmp, backbone, images, tolerance)
+            for check in result.checks:
+                LOG.debug("parity %s", check.describe(tolerance))
+            if not all(c.passed for c in result.checks):
+                figures = "; ".join(c.describe(tolerance) for c in result.checks)
+                raise ExportError(f"ONNX Runtime does not match PyTorch ({figures}); nothing written to {out}")
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    result.seconds = time.perf_counter() - tic
+    LOG.debug("wrote %s (%.1f MB) in %.1f s", out, out.stat().st_size / 1e6, result.seconds)
+    return result
