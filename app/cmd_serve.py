@@ -1,0 +1,140 @@
+"""``moco serve``, ``moco search`` and ``moco classify``: answering queries over an index directory."""
+from __future__ import annotations
+
+import argparse
+import json
+
+EPILOG_SERVE = """\
+The page at / is the web app (upload, paste or webcam; click a result to search from it). The JSON API:
+  curl -F image=@query.jpg 'http://127.0.0.1:7860/api/search?k=10'
+  curl -F image=@query.jpg 'http://127.0.0.1:7860/api/classify?k=20'
+  curl http://127.0.0.1:7860/api/items/42            (and /api/items/42/image, /api/items/42/neighbors)
+  curl http://127.0.0.1:7860/api/stats               (and /api/health)
+The API is documented at /docs. When `moco index` publishes a new generation of INDEX_DIR, the server
+switches to it without a restart.
+
+examples:
+  moco serve index/                              # http://127.0.0.1:7860/
+  moco serve index/ --host 0.0.0.0 --port 8000   # reachable from other machines
+"""
+
+EPILOG_SEARCH = """\
+examples:
+  moco search index/ query.jpg              # the 10 most similar indexed images
+  moco search index/ query.jpg -k 3 --json  # machine-readable
+"""
+
+EPILOG_CLASSIFY = """\
+The k nearest labeled images vote for their label with weight exp(similarity / temperature), as in the
+k-NN evaluation of the MoCo papers (k=20, T=0.07). Labels are the first-level subfolders of the indexed folder.
+
+examples:
+  moco classify index/ query.jpg
+  moco classify index/ query.jpg -k 50 --json
+"""
+
+
+def _engine_config(args, poll_seconds: float):
+    import logging
+
+    logging.getLogger("faiss.loader").setLevel(logging.WARNING)  # its INFO lines list CPU variants it tried
+    from serve.engine import EngineConfig
+
+    return EngineConfig(model=args.model, device=args.device, threads=args.threads, poll_seconds=poll_seconds)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from app.server import check_port, serve_forever
+    from serve.engine import SearchEngine
+
+    check_port(args.host, args.port)  # before the (slower) engine start
+    with SearchEngine(args.index_dir, _engine_config(args, poll_seconds=args.poll_seconds)) as engine:
+        serve_forever(engine, args.host, args.port, ui=args.ui)
+    return 0
+
+
+def cmd_search(args: argparse.Namespace) -> int:
+    from serve.engine import SearchEngine
+
+    with SearchEngine(args.index_dir, _engine_config(args, poll_seconds=0)) as engine:
+        (res,) = engine.search([args.image], args.k)
+        root = engine.image_root
+    if args.json:
+        print(json.dumps({"generation": res.generation, "image_root": str(root), "results": res.hits}, indent=2))
+        return 0
+    print(f"{len(res.hits)} nearest of {args.image} (paths relative to {root}):")
+    print(f"{'rank':>4}  {'score':>6}  {'id':>6}  {'label':<16}  path")
+    for rank, hit in enumerate(res.hits, 1):
+        print(f"{rank:>4}  {hit['score']:6.3f}  {hit['id']:>6}  {str(hit.get('label') or '-'):<16}  {hit['path']}")
+    return 0
+
+
+def cmd_classify(args: argparse.Namespace) -> int:
+    from serve.engine import SearchEngine
+
+    with SearchEngine(args.index_dir, _engine_config(args, poll_seconds=0)) as engine:
+        (res,) = engine.classify([args.image], args.k, args.temperature)
+    if args.json:
+        print(json.dumps(res.to_dict(), indent=2))
+        return 0
+    if res.label is None:
+        print(f"no labeled item among the {len(res.neighbors)} nearest neighbours of {args.image}")
+        return 0
+    voters = sum(1 for h in res.neighbors if h.get("label") is not None)
+    print(f"{args.image}: {res.label} ({100 * res.probabilities[res.label]:.1f}%, {voters} labeled neighbours "
+          f"of k={args.k} voting)")
+    for label, p in list(res.probabilities.items())[:5]:
+        print(f"  {label:<20} {100 * p:5.1f}%")
+    return 0
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("index_dir", metavar="INDEX_DIR", help="an index directory written by `moco index`")
+    p.add_argument("--model", default=None, metavar="ENCODER_ONNX",
+                   help="use this encoder instead of the copy inside INDEX_DIR (it must be the model the index "
+                        "was built with; anything else is refused)")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                   help="where the encoder runs (default auto: the GPU when usable)")
+    p.add_argument("--threads", type=int, default=None, help="encoder CPU threads (default: all usable cores)")
+
+
+# No serve import here (it loads FAISS, and `moco --help` must stay instant); a test keeps these equal to
+# serve.engine's DEFAULT_K / DEFAULT_CLASSIFY_K / DEFAULT_TEMPERATURE.
+DEFAULT_K, DEFAULT_CLASSIFY_K, DEFAULT_TEMPERATURE = 10, 20, 0.07
+
+
+def register(sub) -> None:
+    fmt = argparse.RawDescriptionHelpFormatter
+    p = sub.add_parser("serve", help="serve search and classification over HTTP with a web app",
+                       description="Start a web server over an index directory: a web app at / (drop an image, "
+                                   "see its nearest neighbours and a k-NN label), and a JSON API under /api.",
+                       epilog=EPILOG_SERVE, formatter_class=fmt)
+    _common(p)
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0 for all)")
+    p.add_argument("--port", type=int, default=7860, help="port to listen on (default 7860)")
+    p.add_argument("--poll-seconds", type=float, default=1.0,
+                   help="how often to check INDEX_DIR for a newly published index (default 1; 0 never)")
+    p.add_argument("--no-ui", dest="ui", action="store_false", help="serve only the JSON API, without the web app")
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("search", help="print the indexed images most similar to an image",
+                       description="Embed IMAGE with the index's model and print its nearest indexed images "
+                                   "(cosine similarity), best first.", epilog=EPILOG_SEARCH, formatter_class=fmt)
+    _common(p)
+    p.add_argument("image", metavar="IMAGE", help="the query image file")
+    p.add_argument("-k", type=int, default=DEFAULT_K, help=f"how many neighbours (default {DEFAULT_K})")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=cmd_search)
+
+    p = sub.add_parser("classify", help="predict an image's label from its labeled nearest neighbours",
+                       description="Predict IMAGE's label by a weighted vote of its k nearest labeled indexed "
+                                   "images.", epilog=EPILOG_CLASSIFY, formatter_class=fmt)
+    _common(p)
+    p.add_argument("image", metavar="IMAGE", help="the image to classify")
+    p.add_argument("-k", type=int, default=DEFAULT_CLASSIFY_K,
+                   help=f"neighbours that vote (default {DEFAULT_CLASSIFY_K})")
+    p.add_argument("--temperature", type=float, default=DEFAULT_TEMPERATURE,
+                   help=f"vote weight exp(similarity / T) (default {DEFAULT_TEMPERATURE})")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p.set_defaults(func=cmd_classify)

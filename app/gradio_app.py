@@ -1,0 +1,136 @@
+"""The Gradio web UI over a :class:`~serve.engine.SearchEngine`, mounted at ``/`` of the serving FastAPI app.
+
+Drop, paste or shoot an image; get its nearest neighbours as a captioned gallery (score, label, path) and
+the k-NN label vote as a chart. Clicking a result searches from that item. Every handler has an explicit
+``api_name`` (``search``, ``classify``, ``search_by_id``, ``select_result``, ``stats``) so ``gradio_client``
+can call it; errors show as ``gr.Error`` messages in the page.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import gradio as gr
+from fastapi import FastAPI
+
+from serve.engine import DEFAULT_K, DEFAULT_TEMPERATURE, SearchEngine, knn_vote
+from trainer.errors import MocoError
+
+LOG = logging.getLogger(__name__)
+
+UI_MAX_K = 100  # the slider's range; the JSON API allows up to the engine's max_k
+EXAMPLES = 6
+
+
+def _caption(hit: dict) -> str:
+    label = hit.get("label") or "unlabeled"
+    return f"{hit['score']:.3f} · {label} · {hit['path']} · id {hit['id']}"
+
+
+def _gallery(engine: SearchEngine, hits: list[dict]) -> list[tuple[str, str]]:
+    root = Path(engine.image_root)
+    return [(str(root / h["path"]), _caption(h)) for h in hits]
+
+
+def _label_chart(hits: list[dict]) -> dict[str, float]:
+    import numpy as np
+
+    return knn_vote(np.array([h["score"] for h in hits]), [h.get("label") for h in hits], DEFAULT_TEMPERATURE)
+
+
+def stats_markdown(stats: dict) -> str:
+    """The index statistics panel: items, labels, model, index type, recall@10."""
+    model, index = stats["model"], stats["index"]
+    labels = stats["labels"]
+    label_text = ", ".join(f"{name} ({n})" for name, n in labels.items()) if labels else "none (unlabeled corpus)"
+    recall = index.get("recall_at_10")
+    return (f"**{stats['items']} items** · generation `{stats['generation']}` · updated {stats['updated_at']}  \n"
+            f"**labels:** {label_text}  \n"
+            f"**model:** MoCo v{model.get('moco_version')} {model.get('arch')}, {model.get('image_size')} px, "
+            f"{model.get('embedding_dim')}-d, `{model['sha256'][:12]}` on {model.get('provider')}  \n"
+            f"**index:** `{index.get('factory')}` ({index.get('metric')}), recall@10 "
+            f"{'n/a' if recall is None else f'{recall:.3f}'}")
+
+
+def build_ui(engine: SearchEngine) -> gr.Blocks:
+    """The Gradio Blocks app for ``engine`` (not launched; mount it with :func:`mount_ui`)."""
+
+    def _call(fn, *args):
+        try:
+            return fn(*args)
+        except MocoError as exc:  # shown in the page; the app keeps running
+            raise gr.Error(str(exc)) from exc
+
+    def search(image: str | None, k: float):
+        """Nearest neighbours of an uploaded image: (gallery, hits)."""
+        if not image:
+            raise gr.Error("Upload, paste or take a picture first.")
+        (res,) = _call(engine.search, [image], int(k))
+        return _gallery(engine, res.hits), res.hits
+
+    def classify(image: str | None, k: float):
+        """k-NN label vote of an uploaded image: {label: probability}."""
+        if not image:
+            raise gr.Error("Upload, paste or take a picture first.")
+        if not engine.labels():  # an unlabeled corpus: no chart rather than an error
+            return {}
+        (res,) = _call(engine.classify, [image], int(k))
+        return res.probabilities
+
+    def select_result(hits: list[dict] | None, evt: gr.SelectData):
+        """The id of the clicked gallery item."""
+        if not hits or evt.index is None or evt.index >= len(hits):
+            raise gr.Error("That result is no longer shown; search again.")
+        return hits[evt.index]["id"]
+
+    def search_by_id(item_id: float | None, k: float):
+        """Neighbours of an indexed item: (gallery, hits, label chart, query description)."""
+        if item_id is None:
+            raise gr.Error("Enter an item id, or click a search result.")
+        res = _call(engine.search_by_id, int(item_id), int(k))
+        q = res.query
+        about = f"Searched from item {q['id']}: `{q['path']}` (label {q.get('label') or 'none'})"
+        return _gallery(engine, res.hits), res.hits, _label_chart(res.hits), about
+
+    def stats():
+        return stats_markdown(_call(engine.stats))
+
+    examples = [[str(Path(engine.image_root) / rec["path"])] for rec in engine.examples(EXAMPLES)]
+
+    with gr.Blocks(title="moco-retrieval search") as ui:
+        gr.Markdown("# moco-retrieval: image search\nDrop, paste or shoot an image to find the most similar "
+                    "images of the index and a k-NN label vote. Click a result to search from it.")
+        stats_box = gr.Markdown(elem_id="stats")
+        with gr.Row():
+            with gr.Column(scale=1):
+                image = gr.Image(type="filepath", sources=["upload", "clipboard", "webcam"], label="Query image",
+                                 elem_id="query-image")
+                k = gr.Slider(1, UI_MAX_K, value=DEFAULT_K, step=1, label="k (neighbours)")
+                button = gr.Button("Search", variant="primary", elem_id="search-button")
+                label = gr.Label(num_top_classes=5, label="k-NN prediction", elem_id="prediction")
+                with gr.Row():
+                    item_id = gr.Number(value=None, label="Item id", precision=0, elem_id="item-id")
+                    by_id = gr.Button("Search from id")
+                about = gr.Markdown(elem_id="about")
+                if examples:
+                    gr.Examples(examples=examples, inputs=[image], label="Examples from the index")
+            with gr.Column(scale=2):
+                gallery = gr.Gallery(label="Nearest neighbours", columns=5, height="auto", elem_id="results",
+                                     allow_preview=False)
+        hits = gr.State([])
+
+        gr.on([button.click, image.upload], search, inputs=[image, k], outputs=[gallery, hits], api_name="search")
+        gr.on([button.click, image.upload], classify, inputs=[image, k], outputs=[label], api_name="classify")
+        gallery.select(select_result, inputs=[hits], outputs=[item_id], api_name="select_result").then(
+            search_by_id, inputs=[item_id, k], outputs=[gallery, hits, label, about], api_name="search_by_id_clicked",
+            api_visibility="private")
+        by_id.click(search_by_id, inputs=[item_id, k], outputs=[gallery, hits, label, about], api_name="search_by_id")
+        ui.load(stats, outputs=[stats_box], api_name="stats")
+    ui.queue(default_concurrency_limit=8)
+    return ui
+
+
+def mount_ui(app: FastAPI, engine: SearchEngine, path: str = "/") -> FastAPI:
+    """Mount the UI on ``app`` at ``path``; the gallery may serve files from the index's image folder."""
+    return gr.mount_gradio_app(app, build_ui(engine), path=path, allowed_paths=[str(engine.image_root)],
+                               footer_links=["api"])

@@ -1,0 +1,175 @@
+"""Serving latency and throughput of ``POST /api/search`` under concurrent loopback load (JSON out).
+
+Starts ``moco serve --no-ui`` as its own process on a free loopback port (so the load generator does not
+share its interpreter), then for each ``--concurrency`` level sends ``--requests`` uploads from that many
+client threads (after ``--warmup`` untimed ones). Reports client-side latency p50/p95/p99, throughput, and
+the server's own split of each request into decode, queue, embed, search and metadata (embed and search
+are per micro-batch: the batch's time, shared by the requests in it) plus the mean batch size.
+
+Without ``--index-dir`` it builds one first: the demo's generated shapes (``--corpus`` images, 32 px)
+embedded by a randomly initialised ResNet-18 exported to ONNX (serving cost does not depend on training).
+
+    python bench/serve_latency.py --corpus 2000 --concurrency 1 4 16 --requests 300
+    python bench/serve_latency.py --index-dir demo/index --queries demo/data --concurrency 1 8
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+PHASES = ("decode", "queue", "embed", "search", "metadata", "total")
+
+
+def build_bench_index(work: Path, corpus: int, device: str) -> tuple[Path, Path]:
+    """Generated shapes + random-init ResNet-18 (32 px) -> ``(index dir, image folder)``."""
+    import torch
+
+    from indexer.build import IndexConfig, build_index_dir
+    from trainer.build import build_model
+    from trainer.checkpoint import CHECKPOINT_FORMAT, CHECKPOINT_VERSION, LAST, save_atomic
+    from trainer.config import TrainConfig
+    from trainer.demo_data import CLASSES, write_demo_dataset
+    from trainer.export import export_encoder
+
+    data, index = work / "images", work / "index"
+    if (index / "CURRENT").is_file():  # built by an earlier run
+        return index, data
+    if not data.is_dir():
+        write_demo_dataset(data, per_class=max(1, corpus // len(CLASSES)), size=32, seed=0)
+    run = work / "run"
+    cfg = TrainConfig(data_dir=str(data), out_dir=str(run), arch="resnet18", image_size=32, epochs=1,
+                      batch_size=32, queue_size=128, workers=0, device="cpu", knn_every=0, run_id="bench")
+    torch.manual_seed(0)
+    run.mkdir(parents=True, exist_ok=True)
+    save_atomic({"format": CHECKPOINT_FORMAT, "format_version": CHECKPOINT_VERSION, "run_id": "bench",
+                 "config": cfg.to_dict(), "model": build_model(cfg, bn_splits=1).state_dict(), "epoch": 0,
+                 "step": 0}, run / LAST)
+    encoder = export_encoder(run, work / "encoder.onnx", verify=False).path
+    build_index_dir(IndexConfig(str(data), str(encoder), str(index), workers=0, progress=False, device=device))
+    return index, data
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_server(index: Path, port: int, device: str, threads: int | None) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "app.cli", "serve", str(index), "--port", str(port), "--no-ui", "--device", device,
+           "--poll-seconds", "0"]
+    if threads:
+        cmd += ["--threads", str(threads)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    line = proc.stdout.readline()
+    if f":{port}/" not in line:
+        proc.kill()
+        raise RuntimeError(f"moco serve did not start: {line!r}")
+    return proc
+
+
+def percentiles(values: list[float]) -> dict[str, float]:
+    a = np.asarray(values) * 1000
+    return {"p50_ms": float(np.percentile(a, 50)), "p95_ms": float(np.percentile(a, 95)),
+            "p99_ms": float(np.percentile(a, 99)), "mean_ms": float(a.mean())}
+
+
+def run_level(url: str, payloads: list[bytes], concurrency: int, requests: int, warmup: int, k: int) -> dict:
+    import httpx
+
+    local = threading.local()
+
+    def one(i: int):
+        client = getattr(local, "client", None)
+        if client is None:
+            client = local.client = httpx.Client(timeout=60)
+        data = payloads[i % len(payloads)]
+        tic = time.perf_counter()
+        r = client.post(f"{url}/api/search", params={"k": k}, files={"image": ("q.png", data, "image/png")})
+        latency = time.perf_counter() - tic
+        r.raise_for_status()
+        body = r.json()
+        return latency, body["timings"], body["batch_size"]
+
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+        list(pool.map(one, range(warmup)))
+        tic = time.perf_counter()
+        results = list(pool.map(one, range(requests)))
+        wall = time.perf_counter() - tic
+    latencies = [r[0] for r in results]
+    server = {phase: percentiles([r[1][phase] for r in results]) for phase in PHASES}
+    return {"concurrency": concurrency, "requests": requests, "seconds": wall, "throughput_rps": requests / wall,
+            "latency": percentiles(latencies), "server_phases": server,
+            "mean_batch_size": float(np.mean([r[2] for r in results]))}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--index-dir", type=Path, default=None, help="serve this index (default: build one in --work)")
+    p.add_argument("--queries", type=Path, default=None, help="folder of query images (default: the indexed ones)")
+    p.add_argument("--work", type=Path, default=Path("bench/results/serve_work"), help="where to build the index")
+    p.add_argument("--corpus", type=int, default=2000, help="images in the built index (default 2000)")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16], help="client threads per level")
+    p.add_argument("--requests", type=int, default=300, help="timed requests per level")
+    p.add_argument("--warmup", type=int, default=20, help="untimed requests per level")
+    p.add_argument("-k", type=int, default=10, help="neighbours per query")
+    p.add_argument("--device", default="cpu", help="encoder device of the server: auto, cpu or cuda")
+    p.add_argument("--threads", type=int, default=None, help="encoder threads of the server")
+    p.add_argument("--out", type=Path, default=Path("bench/results/serve_latency.json"))
+    args = p.parse_args()
+
+    index, images = args.index_dir, args.queries
+    if index is None:
+        index, built_images = build_bench_index(args.work, args.corpus, args.device)
+        images = images or built_images
+    if images is None:
+        images = Path(json.loads((index / "generations" / (index / "CURRENT").read_text().strip()
+                                  / "manifest.json").read_text())["image_root"])
+    files = sorted(p for p in images.rglob("*") if p.suffix.lower() in (".png", ".jpg", ".jpeg", ".webp"))
+    payloads = [f.read_bytes() for f in files[:: max(1, len(files) // 64)]][:64]
+    manifest = json.loads((index / "generations" / (index / "CURRENT").read_text().strip()
+                           / "manifest.json").read_text())
+
+    port = free_port()
+    server = start_server(index, port, args.device, args.threads)
+    try:
+        levels = []
+        for c in args.concurrency:
+            level = run_level(f"http://127.0.0.1:{port}", payloads, c, args.requests, args.warmup, args.k)
+            lat = level["latency"]
+            print(f"concurrency {c:3d}: {level['throughput_rps']:7.1f} req/s  p50 {lat['p50_ms']:6.1f} ms  "
+                  f"p95 {lat['p95_ms']:6.1f} ms  p99 {lat['p99_ms']:6.1f} ms  batch {level['mean_batch_size']:.1f}  "
+                  + "  ".join(f"{ph} {level['server_phases'][ph]['p50_ms']:.1f}" for ph in PHASES[:-1]) + " (p50 ms)")
+            levels.append(level)
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    result = {
+        "benchmark": "serve_latency", "endpoint": "POST /api/search", "k": args.k,
+        "index": {"count": manifest["count"], "factory": manifest["factory"], "embedding_dim": manifest["embedding_dim"],
+                  "model": manifest.get("model")},
+        "query_bytes_mean": float(np.mean([len(p) for p in payloads])),
+        "device": args.device, "threads": args.threads, "cpu_count": os.cpu_count(),
+        "platform": platform.platform(), "python": platform.python_version(),
+        "command": " ".join([Path(sys.argv[0]).as_posix()] + sys.argv[1:]), "levels": levels,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

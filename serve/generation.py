@@ -1,0 +1,195 @@
+"""One published index generation opened for serving: its FAISS index and LMDB metadata (read-only) plus the
+encoder that made its vectors, checked against each other before any query is answered.
+
+A :class:`ServedGeneration` is reference-counted: requests hold it while they run, and when a newer
+generation replaces it, it is closed only after the last request using it has finished.
+
+LMDB allows one open environment per store per process, so engines of one process that serve the same
+generation share its :class:`IndexDirectory` (:func:`open_directory`); it is closed with its last user.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from pathlib import Path
+
+import faiss
+import numpy as np
+
+from indexer.encoder import OnnxEncoder
+from indexer.index_dir import IndexDirectory
+from indexer.layout import current_generation
+from trainer.errors import ArtifactError
+
+LOG = logging.getLogger(__name__)
+
+_shared_lock = threading.Lock()
+_shared: dict[tuple[str, str], list] = {}  # (index dir, generation) -> [IndexDirectory, users]
+
+
+def open_directory(index_dir: str | os.PathLike) -> IndexDirectory:
+    """The live generation of ``index_dir``, shared with its other users in this process.
+
+    Raises:
+        ArtifactError: missing, not an index directory, or unreadable.
+    """
+    path = Path(index_dir)
+    if not path.is_dir():
+        raise ArtifactError(f"index directory not found: {path}; build one with `moco index`")
+    name = current_generation(path)
+    key = (str(path.resolve()), name)
+    with _shared_lock:
+        entry = _shared.get(key)
+        if entry is None:
+            entry = _shared[key] = [IndexDirectory(path, name), 0]
+        entry[1] += 1
+        return entry[0]
+
+
+def close_directory(directory: IndexDirectory) -> None:
+    """Release one user of a directory from :func:`open_directory`; the last one closes it."""
+    key = (str(Path(directory.path).resolve()), directory.generation)
+    with _shared_lock:
+        entry = _shared.get(key)
+        if entry is None or entry[0] is not directory:
+            directory.close()
+            return
+        entry[1] -= 1
+        if entry[1] > 0:
+            return
+        del _shared[key]
+    directory.close()
+
+
+def check_compatible(manifest: dict, encoder: OnnxEncoder, index_dim: int, where: str) -> None:
+    """Refuse to serve vectors with a model that did not make them.
+
+    Raises:
+        ArtifactError: the encoder's sha256 or embedding dimension differs from the manifest's, or the FAISS
+            index has another dimension.
+    """
+    expected = manifest.get("model_sha256")
+    if expected != encoder.sha256:
+        raise ArtifactError(f"index {where} was built with model {str(expected)[:12]}, but {encoder.path} is "
+                            f"{encoder.sha256[:12]}; serve it with the model it was built with, or rebuild it with "
+                            f"`moco index IMAGE_DIR --model {encoder.path} --out {where}`")
+    dims = {"manifest": manifest.get("embedding_dim"), "encoder": encoder.embedding_dim, "FAISS index": index_dim}
+    if len(set(dims.values())) != 1:
+        said = ", ".join(f"{name} {d}" for name, d in dims.items())
+        raise ArtifactError(f"index {where} has inconsistent embedding dimensions ({said}); "
+                            "rebuild it with `moco index --rebuild`")
+
+
+class ServedGeneration:
+    """An open generation: ``directory`` (IndexDirectory), ``encoder`` (OnnxEncoder), ``name``.
+
+    All FAISS calls go through :meth:`search` / :meth:`vector`, serialized by one lock (FAISS GPU indexes
+    and some CPU index types are not safe to call from several threads at once).
+    """
+
+    def __init__(self, directory: IndexDirectory, encoder: OnnxEncoder, faiss_threads: int | None = None):
+        self.directory = directory
+        self.faiss_threads = faiss_threads
+        self.encoder = encoder
+        self.manifest = directory.manifest
+        self.name = directory.generation
+        self._faiss_lock = threading.Lock()
+        self._refs_lock = threading.Lock()
+        self._refs = 0
+        self._retired = False
+        self._closed = False
+        self._labels: dict[str, int] | None = None
+
+    @classmethod
+    def open(cls, index_dir: str | os.PathLike, model: str | os.PathLike | None = None,
+             reuse: OnnxEncoder | None = None, device: str = "auto", threads: int | None = None,
+             faiss_threads: int | None = None) -> "ServedGeneration":
+        """Open the live generation of ``index_dir`` with its own encoder (or ``model``) and check them.
+
+        Args:
+            model: serve with this encoder file instead of the copy inside the index (must be the same model).
+            reuse: an already open encoder, used instead of loading one when it is the model of this index.
+            faiss_threads: OpenMP threads for FAISS searches (None: FAISS's default).
+
+        Raises:
+            ArtifactError: not an index directory, or the model does not match the index.
+        """
+        directory = open_directory(index_dir)
+        try:
+            manifest = directory.manifest
+            if reuse is not None and model is None and reuse.sha256 == manifest.get("model_sha256"):
+                encoder = reuse
+            else:
+                encoder = OnnxEncoder(model if model is not None else directory.encoder_path, device=device,
+                                      threads=threads)
+            check_compatible(manifest, encoder, directory.index.d, str(index_dir))
+        except BaseException:
+            close_directory(directory)
+            raise
+        return cls(directory, encoder, faiss_threads)
+
+    # -- reference counting --------------------------------------------------------------------------------
+    def acquire(self) -> bool:
+        """Take a reference; False when the generation was already closed (take the current one instead)."""
+        with self._refs_lock:
+            if self._closed:
+                return False
+            self._refs += 1
+            return True
+
+    def release(self) -> None:
+        with self._refs_lock:
+            self._refs -= 1
+            close = self._retired and self._refs == 0 and not self._closed
+            if close:
+                self._closed = True
+        if close:
+            self._close_now()
+
+    def retire(self) -> None:
+        """A newer generation took over: close as soon as no request uses this one."""
+        with self._refs_lock:
+            self._retired = True
+            close = self._refs == 0 and not self._closed
+            if close:
+                self._closed = True
+        if close:
+            self._close_now()
+
+    def _close_now(self) -> None:
+        LOG.debug("closing index generation %s", self.name)
+        close_directory(self.directory)
+
+    # -- FAISS -----------------------------------------------------------------------------------------------
+    def labels(self) -> dict[str, int]:
+        """label -> live item count, read once per generation (it scans every record)."""
+        if self._labels is None:
+            self._labels = self.directory.labels()
+        return self._labels
+
+    @property
+    def ntotal(self) -> int:
+        return int(self.directory.index.ntotal)
+
+    def search(self, xq: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """Inner-product search: ``xq`` float32 ``[n, d]`` -> ``(D, I)`` float32 / int64 ``[n, k]`` (-1 pads)."""
+        k = max(1, min(k, self.ntotal))
+        with self._faiss_lock:
+            if self.faiss_threads is not None:  # an OpenMP setting is per calling thread: set it in this one
+                faiss.omp_set_num_threads(self.faiss_threads)
+            D, I = self.directory.index.search(np.ascontiguousarray(xq, dtype=np.float32), k)
+        return D, I
+
+    def vector(self, item_id: int) -> np.ndarray | None:
+        """The stored vector ``[d]`` of ``item_id``, or ``None`` when this index type cannot give it back."""
+        with self._faiss_lock:
+            try:
+                return np.asarray(self.directory.index.reconstruct(int(item_id)), dtype=np.float32)
+            except RuntimeError:  # no direct map (IVF) or the id is not in the index
+                return None
+
+    def image_file(self, item_id: int) -> Path | None:
+        """The item's image on disk, or ``None`` when unknown, tombstoned or gone from disk."""
+        path = self.directory.image_path(item_id)
+        return path if path is not None and Path(path).is_file() else None

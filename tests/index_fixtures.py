@@ -1,0 +1,75 @@
+"""Fixtures for the ``moco index`` tests: real exported encoders and a generated folder with bad files.
+
+The encoders are exported from untrained (randomly initialised, BN statistics randomised) ResNet-18 32 px
+checkpoints: no training needed, embeddings still deterministic and image-dependent.
+"""
+from __future__ import annotations
+
+import shutil
+import struct
+import zlib
+from pathlib import Path
+
+import pytest
+
+from trainer.demo_data import write_demo_dataset
+
+BAD_FILES = {  # relative path -> what is wrong with it
+    "circle/truncated.png": "truncated PNG",
+    "circle/empty.png": "zero bytes",
+    "square/notes.jpg": "a text file named .jpg",
+    "ring/bomb.png": "a decompression bomb (declares 20000 x 20000 pixels)",
+}
+
+
+def bomb_png(small_png: bytes, width: int = 20_000, height: int = 20_000) -> bytes:
+    """``small_png`` with its IHDR rewritten to declare ``width`` x ``height`` (a valid CRC): a tiny file that
+    claims to be enormous, as a decompression bomb does."""
+    assert small_png[12:16] == b"IHDR"
+    ihdr = b"IHDR" + struct.pack(">II", width, height) + small_png[24:29]
+    return small_png[:8] + small_png[8:12] + ihdr + struct.pack(">I", zlib.crc32(ihdr)) + small_png[33:]
+
+
+def _export(root: Path, seed: int) -> Path:
+    import torch
+
+    from tests._checkpoints import write_checkpoint
+    from trainer.export import export_encoder
+
+    torch.set_num_threads(1)
+    run = write_checkpoint(None, root / f"run{seed}", seed=seed)
+    return export_encoder(run, root / f"encoder{seed}.onnx", verify=False).path
+
+
+@pytest.fixture(scope="session")
+def index_encoder(tmp_path_factory) -> Path:
+    """An ``encoder.onnx`` (ResNet-18, 32 px, 512-d)."""
+    return _export(tmp_path_factory.mktemp("index_encoder"), seed=11)
+
+
+@pytest.fixture(scope="session")
+def other_encoder(tmp_path_factory) -> Path:
+    """A second encoder of the same shape but other weights (another sha256)."""
+    return _export(tmp_path_factory.mktemp("other_encoder"), seed=12)
+
+
+def write_corpus(root: Path, per_class: int = 3) -> dict:
+    """A labeled 32 px shapes folder plus a duplicate, bad files, a hidden file and a non-image file.
+
+    Returns:
+        {"good": sorted relative paths that must be indexed (duplicate included), "bad": bad paths,
+         "duplicate": (original, copy)}.
+    """
+    write_demo_dataset(root, per_class=per_class, size=32, seed=3)
+    good = sorted(p.relative_to(root).as_posix() for p in root.rglob("*.png"))
+    original = good[0]
+    copy = "star/copy_of_first.png"
+    shutil.copyfile(root / original, root / copy)
+    png = (root / good[1]).read_bytes()
+    (root / "circle/truncated.png").write_bytes(png[: len(png) // 2])
+    (root / "circle/empty.png").write_bytes(b"")
+    (root / "square/notes.jpg").write_text("not an image at all\n")
+    (root / "ring/bomb.png").write_bytes(bomb_png(png))
+    (root / ".hidden.png").write_bytes(png)         # hidden: ignored
+    (root / "square/readme.txt").write_text("hi")   # not an image extension: ignored
+    return {"good": sorted(good + [copy]), "bad": sorted(BAD_FILES), "duplicate": (original, copy)}

@@ -1,0 +1,282 @@
+"""``moco index`` end to end on real exported encoders, real FAISS and real LMDB: bad files, self-retrieval,
+incremental updates, resume after SIGKILL, model mismatch, CLI errors."""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import faiss
+import numpy as np
+import pytest
+
+from indexer.build import IndexConfig, build_index_dir
+from indexer.encoder import OnnxEncoder
+from indexer.index_dir import IndexDirectory, current_generation
+from tests.index_fixtures import index_encoder, other_encoder, write_corpus  # noqa: F401 (fixtures)
+from trainer.demo_data import draw_shape
+from trainer.errors import ArtifactError
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _cfg(data: Path, model: Path, out: Path, **kw) -> IndexConfig:
+    values = dict(workers=0, batch_size=8, progress=False, shard_size=8)
+    values.update(kw)
+    return IndexConfig(str(data), str(model), str(out), **values)
+
+
+def _faiss_ids(index: faiss.Index) -> set[int]:
+    if isinstance(index, faiss.IndexIDMap):
+        return set(faiss.vector_to_array(index.id_map).tolist())
+    invlists = faiss.extract_index_ivf(index).invlists
+    ids = []
+    for list_no in range(invlists.nlist):
+        n = invlists.list_size(list_no)
+        if n:
+            ids.extend(faiss.rev_swig_ptr(invlists.get_ids(list_no), n).tolist())
+    return set(ids)
+
+
+def _live(d: IndexDirectory) -> dict[str, int]:
+    """path -> id of every live record (walking ids 0..next_id)."""
+    recs = [r for r in d.records(range(d.manifest["next_id"])) if r is not None]
+    return {r["path"]: r["id"] for r in recs}
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    root = tmp_path_factory.mktemp("corpus") / "images"
+    return root, write_corpus(root)
+
+
+@pytest.fixture(scope="module")
+def built(corpus, index_encoder, tmp_path_factory):
+    data, info = corpus
+    out = tmp_path_factory.mktemp("built") / "index"
+    result = build_index_dir(_cfg(data, index_encoder, out, workers=1))  # real worker processes here
+    return out, result
+
+
+def test_index__count_is_readable_images_and_bad_files_are_reported(built, corpus):
+    out, result = built
+    _, info = corpus
+    assert result.count == len(info["good"]) and result.added == len(info["good"])
+    assert [s["path"] for s in result.skipped] == info["bad"]
+    reasons = {s["path"]: s["reason"] for s in result.skipped}
+    assert "empty" in reasons["circle/empty.png"] and "too large" in reasons["ring/bomb.png"]
+    assert "truncated" in reasons["circle/truncated.png"] and "not a readable image" in reasons["square/notes.jpg"]
+    import json
+    report = json.loads((out / "report.json").read_text())
+    assert [s["path"] for s in report["skipped"]] == info["bad"]
+    with IndexDirectory.open(out) as d:
+        assert d.index.ntotal == d.manifest["count"] == len(info["good"])
+        assert sorted(_live(d)) == info["good"]
+        assert d.labels()["star"] == 4  # 3 generated + the duplicate copy
+
+
+def test_index__every_faiss_id_has_a_record_and_back(built):
+    out, _ = built
+    with IndexDirectory.open(out) as d:
+        ids = _faiss_ids(d.index)
+        assert set(_live(d).values()) == ids
+        for rec in d.records(sorted(ids)):
+            assert rec is not None and d.id_of_path(rec["path"]) == rec["id"]
+            assert (d.image_path(rec["id"])).is_file()
+            assert rec["width"] == rec["height"] == 32 and len(rec["sha256"]) == 64
+
+
+def test_index__exact_duplicate_is_recorded(built, corpus):
+    out, _ = built
+    original, copy = corpus[1]["duplicate"]
+    with IndexDirectory.open(out) as d:
+        a, b = d.record(d.id_of_path(original)), d.record(d.id_of_path(copy))
+        assert a["sha256"] == b["sha256"] and a["duplicate_of"] is None and b["duplicate_of"] == a["id"]
+        assert d.manifest["duplicates"] == 1
+
+
+def test_index__directory_is_self_sufficient(built, index_encoder):
+    out, _ = built
+    with IndexDirectory.open(out) as d:
+        assert d.encoder_path.read_bytes() == Path(index_encoder).read_bytes()
+        assert d.manifest["model_sha256"] == OnnxEncoder(d.encoder_path, device="cpu").sha256
+        assert current_generation(out) == d.generation == "g000001"
+
+
+@pytest.mark.parametrize("index_type,factory_prefix", [("flat", "IDMap2,Flat"), ("hnsw", "IDMap2,HNSW"),
+                                                       ("ivf", "IVF")])
+def test_index__query_image_finds_itself(index_type, factory_prefix, corpus, index_encoder, tmp_path):
+    data, info = corpus
+    result = build_index_dir(_cfg(data, index_encoder, tmp_path / "idx", index_type=index_type))
+    assert result.factory.startswith(factory_prefix)
+    encoder = OnnxEncoder(index_encoder, device="cpu", threads=1)
+    with IndexDirectory.open(tmp_path / "idx") as d:
+        assert 0.0 < d.manifest["recall_at_10"] <= 1.0
+        assert d.manifest["recall_at_10"] == result.recall_at_10
+        queries = info["good"][1::5]
+        D, I = d.index.search(encoder.embed_images([data / p for p in queries]), 2)
+        for path, scores, ids in zip(queries, D, I):
+            assert d.record(ids[0])["path"] == path or d.record(ids[0])["sha256"] == d.record(
+                d.id_of_path(path))["sha256"]
+            assert scores[0] == pytest.approx(1.0, abs=1e-4)
+
+
+def test_index__incremental_add_delete_modify_then_unchanged(corpus, index_encoder, tmp_path):
+    src, info = corpus
+    data = tmp_path / "images"
+    shutil.copytree(src, data)
+    out = tmp_path / "idx"
+    first = build_index_dir(_cfg(data, index_encoder, out))
+    with IndexDirectory.open(out) as d:
+        before = _live(d)
+    rng = np.random.default_rng(7)
+    added = ["ring/new_0.png", "ring/new_1.png", "cross/new_2.png"]
+    for p in added:
+        draw_shape(p.split("/")[0], rng, 32).save(data / p)
+    removed = [info["good"][2], info["good"][5]]
+    for p in removed:
+        (data / p).unlink()
+    modified = info["good"][8]
+    draw_shape("checker", rng, 32).save(data / modified)
+    st = (data / modified).stat()
+    os.utime(data / modified, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+
+    second = build_index_dir(_cfg(data, index_encoder, out))
+    assert (second.added, second.removed, second.updated) == (3, 2, 1)
+    assert second.unchanged == first.count - 3 and second.embedded == 4
+    assert second.count == first.count + 1 and second.generation == "g000002"
+    with IndexDirectory.open(out) as d:
+        after = _live(d)
+        assert sorted(after) == sorted(set(info["good"]) - set(removed) | set(added))
+        assert _faiss_ids(d.index) == set(after.values())
+        for p in set(before) - set(removed) - {modified}:
+            assert after[p] == before[p]  # unchanged files keep their ids
+        assert after[modified] != before[modified] and d.record(before[modified]) is None
+        assert min(after[p] for p in added + [modified]) >= first.count  # ids are never reused
+        import hashlib
+        assert d.record(after[modified])["sha256"] == hashlib.sha256((data / modified).read_bytes()).hexdigest()
+        for p in removed:
+            assert d.record(before[p]) is None
+
+    third = build_index_dir(_cfg(data, index_encoder, out))
+    assert third.embedded == 0 and not third.published and third.generation == "g000002"
+    assert (third.added, third.removed, third.updated, third.unchanged) == (0, 0, 0, second.count)
+
+
+def test_index__resume_after_sigkill_equals_uninterrupted_run(shapes_dir, index_encoder, tmp_path):
+    killed = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "app.cli", "index", str(shapes_dir), "--model", str(index_encoder), "--out",
+           str(killed), "--workers", "0", "--batch-size", "2", "--shard-size", "2", "--no-progress"]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    try:
+        while time.monotonic() < deadline and proc.poll() is None:
+            if len(list((killed / "work").glob("*.done"))) >= 3:
+                break
+            time.sleep(0.005)
+        assert proc.poll() is None, "indexing finished before it could be killed"
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.wait()
+    assert not (killed / "CURRENT").exists()  # nothing was published
+
+    resumed = build_index_dir(_cfg(shapes_dir, index_encoder, killed))
+    assert resumed.resumed >= 6 and resumed.embedded + resumed.resumed == 96
+    whole = build_index_dir(_cfg(shapes_dir, index_encoder, tmp_path / "whole"))
+    assert not (killed / "work").exists()
+    with IndexDirectory.open(killed) as a, IndexDirectory.open(tmp_path / "whole") as b:
+        assert _live(a) == _live(b) and a.manifest["count"] == b.manifest["count"] == 96
+        ids = sorted(_live(a).values())
+        va = np.stack([a.index.reconstruct(i) for i in ids])
+        vb = np.stack([b.index.reconstruct(i) for i in ids])
+        np.testing.assert_allclose(va, vb, atol=1e-5)
+        assert [a.record(i) for i in ids] == [b.record(i) for i in ids]
+
+
+def test_index__other_model_is_refused_and_rebuild_starts_over(built, corpus, index_encoder, other_encoder,
+                                                               tmp_path):
+    data, info = corpus
+    out = tmp_path / "idx"
+    first = build_index_dir(_cfg(data, index_encoder, out))
+    with pytest.raises(ArtifactError, match="another model.*--rebuild"):
+        build_index_dir(_cfg(data, other_encoder, out))
+    assert current_generation(out) == "g000001"
+    rebuilt = build_index_dir(_cfg(data, other_encoder, out, rebuild=True))
+    assert rebuilt.added == first.count and rebuilt.embedded == first.count + len(info["bad"])  # bad ones retried
+    with IndexDirectory.open(out) as d:
+        assert d.manifest["model_sha256"] == OnnxEncoder(other_encoder, device="cpu").sha256
+        assert d.encoder_path.read_bytes() == Path(other_encoder).read_bytes()
+        assert min(_live(d).values()) >= first.count  # new ids, old ones are not reused
+
+
+def test_index__reader_of_old_generation_stays_valid_after_publish(corpus, index_encoder, tmp_path):
+    src, info = corpus
+    data = tmp_path / "images"
+    shutil.copytree(src, data)
+    out = tmp_path / "idx"
+    build_index_dir(_cfg(data, index_encoder, out))
+    old = IndexDirectory.open(out)
+    gone = info["good"][0]
+    gone_id = old.id_of_path(gone)
+    (data / gone).unlink()
+    build_index_dir(_cfg(data, index_encoder, out))
+    assert current_generation(out) == "g000002"
+    assert old.record(gone_id)["path"] == gone and old.index.ntotal == old.manifest["count"]
+    with IndexDirectory.open(out) as new:
+        assert new.record(gone_id) is None and new.index.ntotal == old.index.ntotal - 1
+    old.close()
+
+
+def _cli(*args, cwd=REPO) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "app.cli", *map(str, args)], cwd=cwd, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_index_cli__builds_and_prints_summary_and_skipped(corpus, index_encoder, tmp_path):
+    data, info = corpus
+    proc = _cli("index", data, "--model", index_encoder, "--out", tmp_path / "idx", "--workers", "0",
+                "--no-progress")
+    assert proc.returncode == 0, proc.stderr
+    assert f"images in index       {len(info['good'])}" in proc.stdout
+    for bad in info["bad"]:
+        assert bad in proc.stdout
+
+
+@pytest.mark.parametrize("case", ["missing", "empty", "only_bad_files", "out_is_file", "not_encoder"])
+def test_index_cli__one_line_errors(case, index_encoder, corpus, tmp_path):
+    data, model, out = corpus[0], index_encoder, tmp_path / "idx"
+    if case == "missing":
+        data = tmp_path / "nope"
+    elif case == "empty":
+        data = tmp_path / "empty"
+        data.mkdir()
+    elif case == "only_bad_files":
+        data = tmp_path / "bad"
+        data.mkdir()
+        (data / "a.png").write_bytes(b"")
+    elif case == "out_is_file":
+        out = tmp_path / "file"
+        out.write_text("x")
+    else:
+        model = tmp_path / "fake.onnx"
+        model.write_bytes(b"not onnx")
+    proc = _cli("index", data, "--model", model, "--out", out, "--workers", "0", "--no-progress")
+    expected = {"missing": 3, "empty": 3, "only_bad_files": 3, "out_is_file": 5, "not_encoder": 4}[case]
+    assert proc.returncode == expected, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("moco: error:")]
+    assert len(errors) == 1 and "Traceback" not in proc.stderr
+
+
+def test_index__second_writer_is_refused_while_one_runs(corpus, tmp_path):
+    import fcntl
+
+    out = tmp_path / "idx"
+    out.mkdir()
+    with open(out / ".lock", "a+") as held:
+        fcntl.flock(held.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(ArtifactError, match="another `moco index` is writing"):
+            build_index_dir(_cfg(corpus[0], tmp_path / "unused.onnx", out))

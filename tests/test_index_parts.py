@@ -1,0 +1,190 @@
+"""The parts of ``moco index`` on their own, with numpy vectors and tiny files: FAISS choice, recall and
+ground truth; the LMDB store; resumable shards; scanning rules; the directory layout and its errors."""
+from __future__ import annotations
+
+import errno
+import json
+import os
+from pathlib import Path
+
+import faiss
+import numpy as np
+import pytest
+
+from indexer import faiss_index, metadata
+from indexer.faiss_index import build_index, choose_factory, exact_knn, recall_at_k
+from indexer.layout import IndexLayout, current_generation, output_errors
+from indexer.metadata import MetadataStore
+from indexer.scan import read_labels_csv, scan_folder
+from indexer.shards import WorkShards
+from trainer.errors import ArtifactError, ConfigError, DataError, OutputError
+
+
+def _clustered(n: int, d: int = 32, clusters: int = 20, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    centers = rng.normal(size=(clusters, d))
+    x = centers[rng.integers(0, clusters, n)] + 0.4 * rng.normal(size=(n, d))
+    return (x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float32)
+
+
+def _source(ids: np.ndarray, xb: np.ndarray, block: int = 700):
+    return lambda: iter([(ids[i:i + block], xb[i:i + block]) for i in range(0, len(ids), block)])
+
+
+# -- FAISS ------------------------------------------------------------------------------------------------------
+def test_exact_knn__equals_brute_force_over_blocks():
+    xb = _clustered(2000)
+    ids = np.arange(2000, dtype=np.int64) * 5 + 3
+    xq = xb[::97]
+    D, I = exact_knn(xq, _source(ids, xb), 10)
+    scores = xq @ xb.T
+    want = np.argsort(-scores, axis=1)[:, :10]
+    np.testing.assert_array_equal(I, ids[want])
+    np.testing.assert_allclose(D, np.take_along_axis(scores, want, 1), rtol=1e-5)
+
+
+def test_recall_at_k__counts_shared_ids():
+    assert recall_at_k(np.array([[1, 2, 3], [4, 5, 6]]), np.array([[3, 2, 9], [4, 5, 6]])) == pytest.approx(5 / 6)
+
+
+def test_choose_factory__auto_grows_with_corpus_and_memory():
+    assert choose_factory("auto", 5_000, 512) == "IDMap2,Flat"
+    assert choose_factory("auto", 500_000, 512, memory=64 << 30) == "IDMap2,HNSW32"
+    assert choose_factory("auto", 5_000_000, 512, memory=64 << 30).endswith(",Flat")
+    assert choose_factory("auto", 5_000_000, 512, memory=64 << 30).startswith("IVF")
+    assert choose_factory("auto", 50_000_000, 512, memory=64 << 30).endswith(",PQ64x8np")
+    assert choose_factory("HNSW16", 10, 8) == "IDMap2,HNSW16"      # a factory string without ids gets IDMap2
+    assert choose_factory("IVF4,Flat", 10, 8) == "IVF4,Flat"
+    with pytest.raises(ConfigError, match="factory string"):
+        choose_factory("bogus", 10, 8)
+
+
+@pytest.mark.parametrize("index_type", ["flat", "hnsw", "ivf", "ivfpq"])
+def test_build_index__ids_kept_recall_measured_and_stored_on_cpu(index_type, tmp_path):
+    n, d = 3000, 32
+    xb = _clustered(n, d)
+    ids = np.arange(n, dtype=np.int64) * 2 + 100
+    factory = choose_factory(index_type, n, d)
+    built = build_index(factory, d, n, _source(ids, xb), use_gpu=False)
+    assert built.index.ntotal == n and 0 < built.recall_at_10 <= 1
+    if index_type == "flat":
+        assert built.exact and built.recall_at_10 == 1.0
+    else:
+        # the recall it reports is the recall one measures independently with the stored parameters
+        faiss.write_index(built.index, str(tmp_path / "x.faiss"))
+        index = faiss.read_index(str(tmp_path / "x.faiss"))
+        xq = xb[1::37]
+        _, I_ref = exact_knn(xq, _source(ids, xb), 10)
+        assert recall_at_k(index.search(xq, 10)[1], I_ref) == pytest.approx(built.recall_at_10, abs=0.08)
+        if index_type in ("hnsw", "ivf"):
+            assert built.recall_at_10 >= 0.95 and built.search_params
+    D, I = built.index.search(xb[:5], 1)
+    if index_type != "ivfpq":
+        np.testing.assert_array_equal(I[:, 0], ids[:5])
+
+
+def test_build_index__wrong_count_is_an_index_build_error():
+    from trainer.errors import IndexBuildError
+
+    xb = _clustered(100, 8)
+    with pytest.raises(IndexBuildError, match="expected 150"):
+        build_index("IDMap2,Flat", 8, 150, _source(np.arange(100), xb))
+
+
+# -- LMDB -------------------------------------------------------------------------------------------------------
+def _rec(i: int, path: str, sha: str) -> dict:
+    return {"id": i, "path": path, "label": "a", "width": 1, "height": 1, "bytes": 1, "sha256": sha,
+            "mtime": 0.0, "mtime_ns": 0}
+
+
+def test_metadata__duplicates_tombstones_and_promotion(tmp_path):
+    with MetadataStore(tmp_path / "m", readonly=False) as store:
+        store.add_items([_rec(0, "a.png", "s1"), _rec(1, "b.png", "s1"), _rec(2, "c.png", "s1"), _rec(3, "d.png", "s2")])
+        assert [store.record(i)["duplicate_of"] for i in range(4)] == [None, 0, 0, None]
+        store.remove_items([0], "g000002")  # the original goes: the next copy becomes the original
+        assert store.record(0) is None and store.tombstone(0)["removed_in"] == "g000002"
+        assert store.record(1)["duplicate_of"] is None and store.record(2)["duplicate_of"] == 1
+        assert store.ids_of_sha256("s1") == [1, 2] and store.id_of_path("a.png") is None
+        assert store.next_id() == 4 and store.count() == 3
+        store.sync()
+    ro = MetadataStore(tmp_path / "m")  # read-only, lock-free; a second open in this process shares it
+    ro2 = MetadataStore(tmp_path / "m")
+    assert [r["id"] for r in ro.iter_records()] == [1, 2, 3] and ro2.records([3, 0, -1])[1:] == [None, None]
+    ro.close()
+    assert ro2.record(3)["path"] == "d.png"
+    ro2.close()
+
+
+def test_metadata__map_grows_when_full(tmp_path, monkeypatch):
+    monkeypatch.setattr(metadata, "INITIAL_MAP_SIZE", 256 << 10)
+    with MetadataStore(tmp_path / "m", readonly=False) as store:
+        store.add_items([_rec(i, f"dir/{i:06d}_{'x' * 100}.png", f"{i:064x}") for i in range(5000)])
+        assert store.count() == 5000 and store.env.info()["map_size"] > 256 << 10
+
+
+def test_metadata__missing_store_is_an_artifact_error(tmp_path):
+    with pytest.raises(ArtifactError, match="--rebuild"):
+        MetadataStore(tmp_path / "nothing")
+
+
+# -- shards -----------------------------------------------------------------------------------------------------
+def test_shards__only_finished_shards_survive_and_other_model_discards(tmp_path):
+    shards = WorkShards(tmp_path / "work", "sha-a", 4, shard_size=2)
+    for i in range(5):
+        shards.add({"path": f"{i}.png", "stat_bytes": i, "mtime_ns": i}, np.full(4, i, dtype=np.float32))
+    # 2 finished shards; the 5th result is pending (as if the process were killed now)
+    (tmp_path / "work" / "shard_000009.vec.npy").write_bytes(b"half-written")  # no .done marker
+    again = WorkShards(tmp_path / "work", "sha-a", 4, shard_size=2)
+    assert len(again) == 4 and not (tmp_path / "work" / "shard_000009.vec.npy").exists()
+    assert again.lookup("3.png", 3, 3) is not None and again.lookup("3.png", 3, 4) is None  # changed mtime
+    np.testing.assert_array_equal(again.vector("3.png"), np.full(4, 3))
+    assert again.lookup("4.png", 4, 4) is None
+    assert len(WorkShards(tmp_path / "work", "sha-b", 4)) == 0
+
+
+# -- scanning ---------------------------------------------------------------------------------------------------
+def test_scan__sorted_labels_hidden_symlinks(tmp_path):
+    root = tmp_path / "imgs"
+    for rel in ["b/2.png", "b/1.JPG", "a/x/3.png", "top.png", ".hid/4.png", "a/.5.png", "a/6.txt"]:
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(b"x")
+    os.symlink(root / "b", root / "c")                      # a second link to folder b: walked once
+    os.symlink(root / "a" / "x", root / "a" / "x" / "loop")  # a loop: not walked again
+    os.symlink(root / "gone.png", root / "b" / "broken.png")  # a broken link: reported
+    os.symlink(root / "top.png", root / "b" / "linked.png")   # a linked file: indexed under its link
+    result = scan_folder(root)
+    assert [e.path for e in result.entries] == ["a/x/3.png", "b/1.JPG", "b/2.png", "b/linked.png", "top.png"]
+    assert [e.label for e in result.entries] == ["a", "b", "b", "b", None]
+    assert result.skipped == [("b/broken.png", "broken symlink")]
+
+
+def test_scan__labels_csv_overrides_folders(tmp_path):
+    (tmp_path / "d" / "sub").mkdir(parents=True)
+    (tmp_path / "d" / "sub" / "1.png").write_bytes(b"x")
+    (tmp_path / "d" / "2.png").write_bytes(b"x")
+    (tmp_path / "l.csv").write_text("path,label\n./sub/1.png,cat\n")
+    result = scan_folder(tmp_path / "d", read_labels_csv(tmp_path / "l.csv"))
+    assert [(e.path, e.label) for e in result.entries] == [("2.png", None), ("sub/1.png", "cat")]
+    (tmp_path / "bad.csv").write_text("a,b,c\n")
+    with pytest.raises(ConfigError, match="path,label"):
+        read_labels_csv(tmp_path / "bad.csv")
+
+
+def test_scan__missing_or_empty_folder_is_a_data_error(tmp_path):
+    with pytest.raises(DataError, match="not found"):
+        scan_folder(tmp_path / "nope")
+    with pytest.raises(DataError, match="no image files"):
+        scan_folder(tmp_path)
+
+
+# -- layout -----------------------------------------------------------------------------------------------------
+def test_layout__full_disk_and_non_index_are_one_line_errors(tmp_path):
+    with pytest.raises(OutputError, match="disk full"):
+        with output_errors(tmp_path / "x"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+    with pytest.raises(ArtifactError, match="not an index directory"):
+        current_generation(tmp_path)
+    layout = IndexLayout(tmp_path)
+    layout.current_file.write_text("g000004\n")
+    assert current_generation(tmp_path) == "g000004" == layout.current()
+    assert json.dumps(str(layout.generation("g000004").manifest)).endswith('g000004/manifest.json"')

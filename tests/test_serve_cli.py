@@ -1,0 +1,90 @@
+"""``moco search``, ``moco classify`` and ``moco serve`` from the command line."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from app.cli import main
+from tests._serve_helpers import free_port
+
+pytest_plugins = ("tests._serve_fixtures",)  # the shared serving fixtures (index, engine, server)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_search_cli__prints_neighbours_as_json_and_table(served_index, serve_corpus, capsys):
+    query = serve_corpus / "red" / "red_009.png"
+    assert main(["search", str(served_index), str(query), "-k", "3", "--json", "--device", "cpu"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [h["path"] for h in out["results"]][0] == "red/red_009.png" and len(out["results"]) == 3
+    assert main(["search", str(served_index), str(query), "-k", "2"]) == 0
+    table = capsys.readouterr().out
+    assert "red/red_009.png" in table and "rank" in table
+
+
+def test_classify_cli__prints_the_voted_label(served_index, serve_corpus, capsys):
+    assert main(["classify", str(served_index), str(serve_corpus / "green" / "green_010.png"), "--device", "cpu"]) == 0
+    assert capsys.readouterr().out.split(":")[1].split()[0] == "green"
+    assert main(["classify", str(served_index), str(serve_corpus / "green" / "green_010.png"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["label"] == "green"
+
+
+def test_search_cli__bad_image_or_k_is_a_one_line_error(served_index, tmp_path, capsys):
+    junk = tmp_path / "junk.jpg"
+    junk.write_bytes(b"definitely not a jpeg")
+    assert main(["search", str(served_index), str(junk)]) == 3
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("moco: error:") and "\n" not in err
+    assert main(["search", str(served_index), str(junk), "-k", "0"]) == 2
+    assert main(["search", str(tmp_path / "no-index"), str(junk)]) == 4
+
+
+def test_cli_defaults__equal_the_engine_defaults():
+    from app import cmd_serve
+    from serve import engine
+
+    assert (cmd_serve.DEFAULT_K, cmd_serve.DEFAULT_CLASSIFY_K, cmd_serve.DEFAULT_TEMPERATURE) == (
+        engine.DEFAULT_K, engine.DEFAULT_CLASSIFY_K, engine.DEFAULT_TEMPERATURE)
+
+
+def test_serve_cli__serves_until_interrupted_and_refuses_a_busy_port(served_index, serve_corpus):
+    port = free_port()
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", str(served_index), "--port", str(port),
+                             "--device", "cpu", "--threads", "1"], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()  # printed once uvicorn listens
+        assert f"http://127.0.0.1:{port}/" in line, (line, proc.stderr.read() if proc.poll() is not None else "")
+        url = f"http://127.0.0.1:{port}"
+        assert httpx.get(url + "/api/health", timeout=10).json()["status"] == "ok"
+        query = serve_corpus / "blue" / "blue_003.png"
+        r = httpx.post(url + "/api/search", files={"image": ("q.png", query.read_bytes())}, timeout=30)
+        assert r.json()["results"][0]["path"] == "blue/blue_003.png"
+        assert httpx.get(url + "/", timeout=10).status_code == 200  # the Gradio page
+        busy = subprocess.run([sys.executable, "-m", "app.cli", "serve", str(served_index), "--port", str(port)],
+                              cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert busy.returncode == 2 and "already in use" in busy.stderr
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            pytest.fail("moco serve did not stop on Ctrl-C")
+    assert proc.returncode in (0, 130)
+
+
+def test_demo_cli__serves_at_the_end_unless_no_serve():
+    from app.cli import build_parser
+
+    assert build_parser().parse_args(["demo"]).serve is True
+    args = build_parser().parse_args(["demo", "--no-serve", "--port", "9000"])
+    assert args.serve is False and args.port == 9000

@@ -1,0 +1,130 @@
+"""The HTTP API on a real uvicorn server (loopback, free port) over a real index directory."""
+from __future__ import annotations
+
+import io
+import struct
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+from PIL import Image
+
+pytest_plugins = ("tests._serve_fixtures",)  # the shared serving fixtures (index, engine, server)
+
+
+@pytest.fixture(scope="module")
+def client(live_server):
+    with httpx.Client(base_url=live_server.url, timeout=30) as c:
+        yield c
+
+
+def _png_claiming(width: int, height: int) -> bytes:
+    """A small valid PNG whose header claims ``width x height`` pixels (a decompression bomb's shape)."""
+    buf = io.BytesIO()
+    Image.new("RGB", (8, 8)).save(buf, format="PNG")
+    data = bytearray(buf.getvalue())
+    ihdr = 8  # signature, then the IHDR chunk: length(4) type(4) data(13) crc(4)
+    data[ihdr + 8:ihdr + 16] = struct.pack(">II", width, height)
+    crc = zlib.crc32(bytes(data[ihdr + 4:ihdr + 8 + 13]))
+    data[ihdr + 21:ihdr + 25] = struct.pack(">I", crc)
+    return bytes(data)
+
+
+def _upload(path_or_bytes, name="query.png"):
+    data = path_or_bytes.read_bytes() if isinstance(path_or_bytes, Path) else path_or_bytes
+    return {"image": (name, data, "image/png")}
+
+
+def test_search__returns_neighbours_with_metadata_and_image_urls(client, serve_corpus):
+    query = serve_corpus / "green" / "green_004.png"
+    r = client.post("/api/search", params={"k": 5}, files=_upload(query))
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["k"] == 5 and len(body["results"]) == 5
+    top = body["results"][0]
+    assert top["path"] == "green/green_004.png" and top["label"] == "green"
+    assert top["score"] == pytest.approx(1.0, abs=1e-4)
+    assert top["image_url"] == f"/api/items/{top['id']}/image"
+    assert set(body["timings"]) >= {"decode", "embed", "search", "metadata"}
+    image = client.get(top["image_url"])
+    assert image.status_code == 200 and image.headers["content-type"] == "image/png"
+    assert image.content == query.read_bytes()
+
+
+def test_classify__votes_the_label(client, serve_corpus):
+    r = client.post("/api/classify", params={"k": 10, "temperature": 0.1},
+                    files=_upload(serve_corpus / "yellow" / "yellow_002.png"))
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["label"] == "yellow" and len(body["neighbors"]) == 10
+    assert sum(body["probabilities"].values()) == pytest.approx(1.0)
+
+
+def test_items__record_neighbours_health_stats_and_docs(client, served_engine):
+    item = client.get("/api/items/3").json()
+    assert item["id"] == 3 and item["path"] and item["label"]
+    near = client.get("/api/items/3/neighbors", params={"k": 4}).json()
+    assert near["query"]["id"] == 3 and len(near["results"]) == 4 and 3 not in [h["id"] for h in near["results"]]
+    health = client.get("/api/health").json()
+    assert health == {"status": "ok", "generation": served_engine.generation, "items": 48}
+    stats = client.get("/api/stats").json()
+    assert stats["items"] == 48 and stats["labels"] == {"blue": 12, "green": 12, "red": 12, "yellow": 12}
+    assert stats["model"]["arch"] == "resnet18" and stats["index"]["recall_at_10"] == 1.0
+    paths = client.get("/openapi.json").json()["paths"]
+    assert {"/api/search", "/api/classify", "/api/items/{item_id}", "/api/items/{item_id}/image",
+            "/api/health", "/api/stats"} <= set(paths)
+    assert client.get("/docs").status_code == 200
+
+
+@pytest.mark.parametrize("case", ["not_an_image", "truncated", "enormous", "empty", "missing_field",
+                                  "k_zero", "k_huge", "k_text", "temperature_zero", "too_large_upload"])
+def test_bad_input__answers_4xx_json_and_the_server_stays_up(client, serve_corpus, case):
+    good = (serve_corpus / "red" / "red_001.png").read_bytes()
+    post = {
+        "not_an_image": lambda: client.post("/api/search", files=_upload(b"%PDF-1.4 hello", "doc.pdf")),
+        "truncated": lambda: client.post("/api/search", files=_upload(good[: len(good) // 2])),
+        "enormous": lambda: client.post("/api/search", files=_upload(_png_claiming(30000, 30000))),
+        "empty": lambda: client.post("/api/search", files=_upload(b"")),
+        "missing_field": lambda: client.post("/api/search", files={"file": ("x.png", good, "image/png")}),
+        "k_zero": lambda: client.post("/api/search", params={"k": 0}, files=_upload(good)),
+        "k_huge": lambda: client.post("/api/search", params={"k": 100000}, files=_upload(good)),
+        "k_text": lambda: client.post("/api/search", params={"k": "ten"}, files=_upload(good)),
+        "temperature_zero": lambda: client.post("/api/classify", params={"temperature": 0}, files=_upload(good)),
+        "too_large_upload": lambda: client.post("/api/search", files=_upload(b"\0" * (33 << 20))),
+    }
+    expected = {"missing_field": 422, "k_text": 422, "too_large_upload": 413}.get(case, 400)
+    r = post[case]()
+    assert r.status_code == expected, r.text
+    message = r.json()["error"]
+    assert message and "Traceback" not in message and "\n" not in message
+    if case == "enormous":
+        assert "too large" in message
+    assert client.get("/api/health").status_code == 200
+
+
+@pytest.mark.parametrize("path,status", [("/api/items/999999", 404), ("/api/items/-5", 404),
+                                         ("/api/items/99999999999999999999999", 404),
+                                         ("/api/items/abc", 422), ("/api/items/999999/image", 404),
+                                         ("/api/items/999999/neighbors", 404), ("/api/items/1/neighbors?k=0", 400),
+                                         ("/api/nothing-here", 404)])
+def test_unknown_ids__answer_json_errors(client, path, status):
+    r = client.get(path)
+    assert r.status_code == status
+    assert r.json()["error"]
+
+
+def test_concurrent_requests__all_answered_correctly(client, serve_corpus):
+    queries = sorted(serve_corpus.rglob("*.png"))[::3]  # 16 different images
+
+    def ask(path: Path):
+        r = client.post("/api/search", params={"k": 3}, files=_upload(path))
+        return path, r
+
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        answers = list(pool.map(ask, queries * 3))
+    assert len(answers) == 48
+    for path, r in answers:
+        assert r.status_code == 200, r.text
+        assert r.json()["results"][0]["path"] == str(path.relative_to(serve_corpus))
