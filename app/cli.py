@@ -14,7 +14,7 @@ import sys
 from trainer.errors import MocoError
 
 # One module per subcommand, each with ``register(subparsers)``; add new commands here.
-COMMAND_MODULES = ("app.cmd_train", "app.cmd_demo")
+COMMAND_MODULES = ("app.cmd_train", "app.cmd_export", "app.cmd_eval", "app.cmd_index", "app.cmd_demo", "app.cmd_serve")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -17,35 +17,43 @@ def _add_train_options(p: argparse.ArgumentParser) -> None:
 
     g = p.add_argument_group("model")
     g.add_argument("--moco-version", type=int, default=2, choices=(2, 3),
-                   help="2: MoCo v2 (queue of negatives, default); 3: MoCo v3 (symmetric loss, predictor, no queue)")
+                   help="2: MoCo v2 (queue of negatives, SGD; default); 3: MoCo v3 (symmetric in-batch loss, predictor, "
+                        "no queue; LARS for ResNets, AdamW for ViTs). Options left unset take that version's paper "
+                        "values, listed as 'v2 / v3' below")
     g.add_argument("--arch", default="resnet50", choices=ARCHS,
-                   help="backbone network (default resnet50; resnet18 trains fastest)")
+                   help="backbone network (default resnet50; resnet18 trains fastest; vit_* need --moco-version 3)")
     g.add_argument("--stem", default="auto", choices=STEMS,
                    help="ResNet first layers: 'small' keeps resolution for 32-96 px images, 'imagenet' "
                         "downsamples 4x for larger ones; auto picks by --image-size (default auto)")
+    g.add_argument("--patch-size", type=int, default=0,
+                   help="ViT patch size in pixels (default 0 = auto: 16, 8 at 96 px and below, 4 at 32 px and below)")
     g.add_argument("--image-size", type=int, default=224, help="training crop size in pixels (default 224)")
-    g.add_argument("--dim", type=int, default=128, help="projection output dimension used by the loss (default 128)")
-    g.add_argument("--queue-size", type=int, default=65536,
-                   help="number of negative keys remembered from past batches; a multiple of --batch-size "
-                        "(default 65536)")
-    g.add_argument("--momentum", type=float, default=0.999,
-                   help="how slowly the key encoder follows the query encoder, 0-1 (default 0.999)")
-    g.add_argument("--temperature", type=float, default=0.2,
-                   help="softmax temperature of the contrastive loss (default 0.2)")
+    g.add_argument("--dim", type=int, default=None, help="projection output dimension used by the loss (128 / 256)")
+    g.add_argument("--mlp-hidden", type=int, default=None,
+                   help="hidden width of the projection (and v3 prediction) head; 0 = the backbone's width (0 / 4096)")
+    g.add_argument("--queue-size", type=int, default=None,
+                   help="v2 only: negative keys remembered from past batches, a multiple of --batch-size (65536)")
+    g.add_argument("--momentum", type=float, default=None,
+                   help="how slowly the key encoder follows the query encoder, 0-1 (0.999 / 0.99, which v3 raises "
+                        "to 1 on a cosine)")
+    g.add_argument("--temperature", type=float, default=None,
+                   help="softmax temperature of the contrastive loss (0.2 / 1.0 for ResNets, 0.2 for ViTs)")
     g.add_argument("--bn-splits", type=int, default=0,
-                   help="batch-norm groups in one process so BN cannot reveal the positive pair "
-                        "(0 = auto: 8 in one process, off under torchrun where shuffle-BN is used)")
+                   help="v2 only: batch-norm groups in one process so BN cannot reveal the positive pair "
+                        "(0 = auto: up to 8 groups of at least 16 images in one process; off under torchrun, which shuffles BN across processes)")
     g = p.add_argument_group("optimisation")
     g.add_argument("--epochs", type=int, default=200, help="passes over the data (default 200)")
     g.add_argument("--batch-size", type=int, default=256,
                    help="images per step summed over all processes/GPUs (default 256)")
-    g.add_argument("--lr", type=float, default=0.03,
-                   help="base learning rate, multiplied by batch-size/256 (default 0.03)")
+    g.add_argument("--lr", type=float, default=None,
+                   help="base learning rate, multiplied by batch-size/256 (0.03 / 0.6 for ResNets, 1.5e-4 for ViTs)")
     g.add_argument("--no-lr-scale", dest="lr_scale", action="store_false",
                    help="use --lr as given instead of scaling it by batch-size/256")
-    g.add_argument("--warmup-epochs", type=float, default=0.0,
-                   help="epochs of linear learning-rate warm-up before the cosine decay (default 0)")
-    g.add_argument("--weight-decay", type=float, default=1e-4, help="SGD weight decay (default 1e-4)")
+    g.add_argument("--warmup-epochs", type=float, default=None,
+                   help="epochs of linear learning-rate warm-up before the cosine decay (0 / 10%% of --epochs for "
+                        "ResNets, 13%% for ViTs)")
+    g.add_argument("--weight-decay", type=float, default=None,
+                   help="weight decay (1e-4 / 1e-6 for ResNets, 0.1 for ViTs; v3 exempts biases and norms)")
     g = p.add_argument_group("running")
     g.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1),
                    help="image-decoding processes per training process (default: min(4, CPU cores))")
@@ -74,6 +82,7 @@ def _train_config(args: argparse.Namespace):
 
     return TrainConfig(
         data_dir=args.data_dir, out_dir=args.out, moco_version=args.moco_version, arch=args.arch, stem=args.stem,
+        patch_size=args.patch_size, mlp_hidden=args.mlp_hidden,
         image_size=args.image_size, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
         lr_scale=args.lr_scale, warmup_epochs=args.warmup_epochs, weight_decay=args.weight_decay,
         queue_size=args.queue_size, momentum=args.momentum, temperature=args.temperature, dim=args.dim,

@@ -19,7 +19,8 @@ def demo_train_config(out: Path, epochs: int, device: str) -> TrainConfig:
     )
 
 
-def run_demo(out: str | Path, epochs: int = 10, device: str = "auto") -> None:
+def run_demo(out: str | Path, epochs: int = 10, device: str = "auto", serve: bool = True, host: str = "127.0.0.1",
+             port: int = 7860) -> None:
     from trainer.train import train
 
     out = Path(out)
@@ -30,6 +31,43 @@ def run_demo(out: str | Path, epochs: int = 10, device: str = "auto") -> None:
     print(f"k-NN top-1 before training: {100 * first:.1f}%" if first is not None else "")
     print(f"k-NN top-1 after {result.epochs_done} epochs: {100 * result.knn_acc:.1f}%" if result.knn_acc is not None else "")
     print(f"run directory: {result.run_dir} (metrics.png shows the curves)")
+    encoder = export_demo_encoder(result.run_dir, out)
+    print(f"encoder: {encoder} (ONNX, checked against PyTorch)")
+    index_demo_images(data, encoder, out / "index", device)
+    if serve:
+        serve_demo_index(out / "index", device, host, port)
+    else:
+        print(f"to search it: moco serve {out / 'index'}")
+
+
+def export_demo_encoder(run_dir: Path, out: Path) -> Path:
+    """Export the demo run's encoder to ``out/encoder.onnx`` (verified); returns the file."""
+    from trainer.export import export_encoder
+
+    return export_encoder(run_dir, out / "encoder.onnx").path
+
+
+def index_demo_images(data: Path, encoder: Path, index_dir: Path, device: str) -> None:
+    """Index the demo images with the exported encoder into ``index_dir`` and print the summary table.
+
+    Always a rebuild: every demo run exports a new encoder file (another sha256), which an update refuses.
+    """
+    from app.cmd_index import print_index_result
+    from indexer.build import IndexConfig, build_index_dir
+
+    device = "cuda" if device.startswith("cuda") else device
+    print_index_result(build_index_dir(IndexConfig(str(data), str(encoder), str(index_dir), device=device,
+                                                   rebuild=True)))
+
+
+def serve_demo_index(index_dir: Path, device: str, host: str, port: int) -> None:
+    """The last step: serve the demo index (web app + JSON API) until Ctrl-C; prints the URL."""
+    from app.server import check_port, serve_forever
+    from serve.engine import EngineConfig, SearchEngine
+
+    check_port(host, port)
+    with SearchEngine(index_dir, EngineConfig(device=device)) as engine:
+        serve_forever(engine, host, port)
 
 
 def _first_knn(run_dir: Path) -> float | None:

@@ -5,6 +5,10 @@ normalised images already on the device, so the figure does not depend on disk o
 Each configuration runs ``--warmup`` steps untimed, then ``--steps`` timed steps.
 
     python bench/train_throughput.py --arch resnet18 --image-size 32 64 --batch-size 128 --device cpu
+    # MoCo v3 at the paper's heads (projector 4096 -> 256, predictor), LARS for ResNet, AdamW for ViT;
+    # v2 is skipped for ViTs (it trains ResNets only)
+    python bench/train_throughput.py --moco-version 2 3 --arch resnet18 vit_tiny --image-size 32 --device cpu \
+        --out bench/results/train_throughput_v3.json
 """
 from __future__ import annotations
 
@@ -17,7 +21,7 @@ from pathlib import Path
 import torch
 
 from trainer.build import build_model, build_optimizer, key_momentum_at, lr_at
-from trainer.config import TrainConfig
+from trainer.config import VITS, TrainConfig
 from trainer.train import resolve_bn_splits, resolve_device
 
 
@@ -58,8 +62,11 @@ def measure(cfg: TrainConfig, steps: int, warmup: int) -> dict:
     elapsed = time.perf_counter() - tic
     return {
         "moco_version": cfg.moco_version, "arch": cfg.arch, "image_size": cfg.image_size,
-        "stem": cfg.resolved_stem, "batch_size": cfg.batch_size, "device": str(device), "amp": amp,
-        "compile": cfg.compile, "steps": steps, "seconds": elapsed,
+        "stem": cfg.resolved_stem if cfg.arch not in VITS else None, "batch_size": cfg.batch_size,
+        "device": str(device), "amp": amp,
+        "compile": cfg.compile, "optimizer": type(optimizer).__name__,
+        "patch_size": cfg.resolved_patch_size if cfg.arch in VITS else None,
+        "projector": f"{cfg.mlp_hidden or 'D'}->{cfg.dim}", "steps": steps, "seconds": elapsed,
         "images_per_s": steps * cfg.batch_size / elapsed,
     }
 
@@ -81,6 +88,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     results = []
     for version in args.moco_version:
         for arch in args.arch:
+            if version == 2 and arch in VITS:
+                print(f"skipping MoCo v2 with {arch}: v2 trains ResNets only")
+                continue
             for size in args.image_size:
                 cfg = TrainConfig(
                     data_dir="-", out_dir="-", moco_version=version, arch=arch, stem=args.stem, image_size=size,

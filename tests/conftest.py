@@ -15,12 +15,12 @@ def shapes_dir(tmp_path_factory) -> Path:
 
 
 def tiny_train_config(data_dir: Path, out_dir: Path, **overrides):
-    """A ResNet-18 MoCo v2 config small enough for a CPU test: 32 px, batch 16, queue 64, no k-NN monitor."""
+    """A ResNet-18 MoCo v2 config small enough for a CPU test: 32 px, batch 16, queue 32, no k-NN monitor."""
     from trainer.config import TrainConfig
 
     values = dict(
         data_dir=str(data_dir), out_dir=str(out_dir), arch="resnet18", stem="imagenet", image_size=32, epochs=2,
-        batch_size=16, queue_size=64, workers=0, device="cpu", knn_every=0, log_every=1,
+        batch_size=16, queue_size=32, workers=0, device="cpu", knn_every=0, log_every=1,
     )
     values.update(overrides)
     return TrainConfig(**values)

@@ -77,7 +77,7 @@ def test_train__skips_unreadable_files_and_lists_them(tmp_path):
     (data / "square" / "text.jpg").write_text("this is not a jpeg")
     good = (data / "star" / "star_00000.png").read_bytes()
     (data / "star" / "truncated.png").write_bytes(good[: len(good) // 2])
-    result = train(tiny_train_config(data, tmp_path / "run", epochs=1))
+    result = train(tiny_train_config(data, tmp_path / "run", epochs=1, batch_size=8, queue_size=8))
     assert result.images == 16 and result.skipped == 3 and result.epochs_done == 1
     listed = (tmp_path / "run" / "skipped_files.txt").read_text().splitlines()
     assert sorted(line.split("\t")[0] for line in listed) == ["circle/empty.jpg", "square/text.jpg", "star/truncated.png"]
@@ -128,3 +128,13 @@ def test_load_checkpoint__foreign_and_corrupt_files_are_artifact_errors(tmp_path
         load_checkpoint(tmp_path / "corrupt.pt")
     with pytest.raises(ArtifactError, match="no checkpoint at"):
         load_checkpoint(tmp_path)
+
+
+def test_fit_queue_to_data__caps_queue_at_half_the_images():
+    from trainer.errors import DataError
+    from trainer.train import fit_queue_to_data
+
+    assert fit_queue_to_data(256, 64, 10_000) == 256  # small queue: unchanged
+    assert fit_queue_to_data(65536, 64, 1000) == 448  # half of 1000, down to a multiple of 64
+    with pytest.raises(DataError, match="too few for MoCo v2"):
+        fit_queue_to_data(65536, 64, 100)

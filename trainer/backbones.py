@@ -1,4 +1,4 @@
-"""Backbones: torchvision ResNets (with an optional small-image stem) and the split-BN layer.
+"""Backbones: torchvision ResNets (with an optional small-image stem), timm ViTs (MoCo v3), the split-BN layer.
 
 A backbone maps images ``[N, 3, H, W]`` to features ``[N, D]`` (the classifier removed). These features are
 the representation that is exported, indexed and served.
@@ -7,12 +7,16 @@ from __future__ import annotations
 
 from functools import partial
 
+import math
+
 import torch
 import torch.nn.functional as F
 import torchvision
+from timm.layers import build_sincos2d_pos_embed
+from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
-from trainer.config import RESNETS
+from trainer.config import RESNETS, VITS
 from trainer.errors import ConfigError
 
 
@@ -81,3 +85,42 @@ def set_bn_splits(module: nn.Module, num_splits: int) -> None:
     for layer in module.modules():
         if isinstance(layer, SplitBatchNorm2d):
             layer.num_splits = num_splits
+
+
+# (embed_dim, depth, num_heads): DeiT-Tiny, and MoCo v3's ViT-Small (12 heads, not DeiT's 6) and ViT-Base.
+VIT_SHAPES = {"vit_tiny": (192, 12, 3), "vit_small": (384, 12, 12), "vit_base": (768, 12, 12)}
+
+
+def build_vit(arch: str, image_size: int, patch_size: int = 16) -> tuple[nn.Module, int]:
+    """A timm VisionTransformer without its classifier, randomly initialised with MoCo v3's stability recipe.
+
+    The patch projection is randomly initialised (Xavier-uniform) and frozen, and the position embedding is
+    a fixed 2-D sin-cos table (both ``requires_grad=False``): Chen, Xie and He (2021) found that a frozen
+    random patch projection removes the training instability of self-supervised ViTs. Linear layers use
+    timm's ``moco`` initialisation (Xavier-uniform, with Q, K and V treated as separate matrices).
+
+    Args:
+        arch: vit_tiny, vit_small or vit_base.
+        image_size: input side in pixels; the model accepts exactly ``[N, 3, image_size, image_size]``.
+        patch_size: patch side in pixels (16 in the paper; 4 or 8 for small images).
+
+    Returns:
+        ``(backbone, embed_dim)``; ``backbone(x)`` maps ``[N, 3, H, W]`` to the final-norm class token ``[N, D]``.
+    """
+    if arch not in VITS:
+        raise ConfigError(f"unknown ViT {arch!r}; choose one of {', '.join(VITS)}")
+    embed_dim, depth, num_heads = VIT_SHAPES[arch]
+    model = VisionTransformer(img_size=image_size, patch_size=patch_size, embed_dim=embed_dim, depth=depth,
+                              num_heads=num_heads, num_classes=0, global_pool="token", weight_init="moco")
+    with torch.no_grad():
+        grid = model.patch_embed.grid_size  # (rows, cols) of patches
+        table = build_sincos2d_pos_embed(list(grid), dim=embed_dim)  # [rows*cols, D]
+        prefix = torch.zeros(model.num_prefix_tokens, embed_dim)  # the class token gets no position
+        model.pos_embed.copy_(torch.cat([prefix, table]).unsqueeze(0))
+        proj = model.patch_embed.proj
+        bound = math.sqrt(6.0 / float(3 * patch_size * patch_size + embed_dim))  # Xavier-uniform of the flat conv
+        nn.init.uniform_(proj.weight, -bound, bound)
+        nn.init.zeros_(proj.bias)
+    for p in (model.pos_embed, proj.weight, proj.bias):
+        p.requires_grad = False
+    return model, embed_dim

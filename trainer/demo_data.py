@@ -1,9 +1,11 @@
 """The embedded default data: a deterministic, generated image folder with visually distinct classes.
 
 Nothing is downloaded: each image is drawn with Pillow from a seeded random generator. Eight shape classes
-(circle, square, triangle, cross, star, ring, stripes, checker) are drawn at a random position, size,
-rotation and colour over a noisy two-colour gradient background, so that colour and position carry no class
-information and a useful representation has to see shape. Written as an ordinary labeled folder
+(circle, square, triangle, cross, star, ring, stripes, checker) are drawn as repeated patterns at a random
+phase, size, slight rotation and brightness in muted colours over a noisy gradient background, so that colour
+and position carry no class information, any crop still shows the class, and a representation has to see
+shape. (Colours are muted on purpose: vivid random colours would let instance discrimination succeed on
+colour alone, and a self-supervised model would learn colour instead of shape.) Written as an ordinary labeled folder
 (``root/<class>/<class>_00000.png``) that every ``moco`` command accepts.
 """
 from __future__ import annotations
@@ -28,63 +30,75 @@ def _polygon(cx: float, cy: float, r: float, n: int, angle: float, inner: float 
     return points
 
 
-def _background(rng: np.random.Generator, size: int) -> Image.Image:
-    c0, c1 = rng.uniform(0, 255, size=(2, 3))
+def _tint(rng: np.random.Generator, level: float) -> np.ndarray:
+    """A muted colour of brightness ``level`` (0-255): grey with a small random tint."""
+    return np.clip(level + rng.normal(0, 18, size=3), 0, 255)
+
+
+def _background(rng: np.random.Generator, size: int, level: float) -> Image.Image:
+    c0, c1 = _tint(rng, level - 20), _tint(rng, level + 20)
     t = np.linspace(0, 1, size)[None, :, None]
     grad = c0 * (1 - t) + c1 * t  # 1 x W x 3
     img = np.repeat(grad, size, axis=0)
     if rng.random() < 0.5:
         img = img.transpose(1, 0, 2)
-    img = img + rng.normal(0, 12, size=img.shape)
+    img = img + rng.normal(0, 10, size=img.shape)
     return Image.fromarray(np.clip(img, 0, 255).astype(np.uint8))
 
 
-def _contrasting_colour(rng: np.random.Generator, background: Image.Image) -> tuple[int, int, int]:
-    mean = np.asarray(background).reshape(-1, 3).mean(0)
-    for _ in range(20):
-        colour = rng.uniform(0, 255, size=3)
-        if np.abs(colour - mean).sum() > 180:
-            break
-    return tuple(int(c) for c in colour)
-
-
-def draw_shape(kind: str, rng: np.random.Generator, size: int = 64) -> Image.Image:
-    """One RGB image of shape class ``kind`` (one of :data:`CLASSES`), ``size`` x ``size`` pixels."""
-    img = _background(rng, size)
-    draw = ImageDraw.Draw(img)
-    fill = _contrasting_colour(rng, img)
-    r = rng.uniform(0.22, 0.38) * size
-    cx, cy = rng.uniform(r, size - r, size=2)
-    angle = rng.uniform(0, 2 * math.pi)
-    width = max(2, int(r * 0.35))
+def _draw_one(draw: ImageDraw.ImageDraw, kind: str, cx: float, cy: float, r: float, angle: float, fill) -> None:
+    width = max(1, int(r * 0.4))
     if kind == "circle":
         draw.ellipse([cx - r, cy - r, cx + r, cy + r], fill=fill)
     elif kind == "square":
-        draw.polygon(_polygon(cx, cy, r * 1.1, 4, angle), fill=fill)
+        draw.polygon(_polygon(cx, cy, r * 1.2, 4, angle), fill=fill)
     elif kind == "triangle":
-        draw.polygon(_polygon(cx, cy, r * 1.15, 3, angle), fill=fill)
+        draw.polygon(_polygon(cx, cy, r * 1.3, 3, angle), fill=fill)
     elif kind == "star":
-        draw.polygon(_polygon(cx, cy, r * 1.15, 5, angle, inner=0.45), fill=fill)
+        draw.polygon(_polygon(cx, cy, r * 1.3, 5, angle, inner=0.45), fill=fill)
     elif kind == "ring":
         draw.ellipse([cx - r, cy - r, cx + r, cy + r], outline=fill, width=width)
     elif kind == "cross":
         for a in (angle, angle + math.pi / 2):
             dx, dy = r * math.cos(a), r * math.sin(a)
             draw.line([cx - dx, cy - dy, cx + dx, cy + dy], fill=fill, width=width)
-    elif kind == "stripes":
-        period = max(4, int(rng.uniform(0.12, 0.2) * size))
-        vertical = rng.random() < 0.5
-        for offset in range(0, size, period):
-            box = [offset, 0, offset + period // 2, size] if vertical else [0, offset, size, offset + period // 2]
-            draw.rectangle(box, fill=fill)
-    elif kind == "checker":
-        cell = max(4, int(rng.uniform(0.12, 0.2) * size))
-        for y in range(0, size, cell):
-            for x in range(0, size, cell):
-                if (x // cell + y // cell) % 2 == 0:
-                    draw.rectangle([x, y, x + cell - 1, y + cell - 1], fill=fill)
     else:
         raise ValueError(f"unknown shape class {kind!r}; expected one of {CLASSES}")
+
+
+def draw_shape(kind: str, rng: np.random.Generator, size: int = 64) -> Image.Image:
+    """One RGB image of class ``kind`` (one of :data:`CLASSES`), ``size`` x ``size`` pixels.
+
+    Shapes are drawn as a loose 3x3 grid of copies (jittered, with a random phase, size, slight rotation and
+    colour per image), so any crop of the image still shows the class; stripes and checkers fill the image.
+    """
+    background = rng.uniform(40, 215)
+    foreground = (background + rng.uniform(70, 120) * rng.choice([-1, 1])) % 255
+    img = _background(rng, size, background)
+    draw = ImageDraw.Draw(img)
+    fill = tuple(int(c) for c in _tint(rng, foreground))
+    if kind in ("stripes", "checker"):
+        cell = max(3, int(rng.uniform(0.12, 0.16) * size))
+        vertical = rng.random() < 0.5
+        for y in range(0, size, cell):
+            for x in range(0, size, cell):
+                if kind == "checker":
+                    on = (x // cell + y // cell) % 2 == 0
+                else:
+                    on = ((x if vertical else y) // cell) % 2 == 0
+                if on:
+                    draw.rectangle([x, y, x + cell - 1, y + cell - 1], fill=fill)
+        return img
+    per_side = 3
+    pitch = size / per_side
+    r = pitch * rng.uniform(0.3, 0.38)
+    angle = rng.normal(0, 0.15)
+    offset = rng.uniform(0, pitch, size=2)
+    for i in range(-1, per_side + 1):
+        for j in range(-1, per_side + 1):
+            cx, cy = offset[0] + i * pitch, offset[1] + j * pitch
+            jitter = rng.normal(0, pitch * 0.05, size=2)
+            _draw_one(draw, kind, cx + jitter[0], cy + jitter[1], r, angle, fill)
     return img
 
 

@@ -5,7 +5,8 @@ momentum update); subclasses add their projector and their loss in :meth:`MoCo.f
 the per-process batch, ``C`` the projection dim, ``K`` the queue length.
 
 References: He et al., "Momentum Contrast for Unsupervised Visual Representation Learning" (MoCo);
-Chen et al., "Improved Baselines with Momentum Contrastive Learning" (MoCo v2).
+Chen et al., "Improved Baselines with Momentum Contrastive Learning" (MoCo v2); Chen, Xie and He, "An
+Empirical Study of Training Self-Supervised Vision Transformers" (MoCo v3).
 """
 from __future__ import annotations
 
@@ -155,3 +156,75 @@ class MoCoV2(MoCo):
         loss = F.cross_entropy(logits.float(), labels)
         self.dequeue_and_enqueue(k)
         return loss
+
+
+def build_mlp(num_layers: int, in_dim: int, hidden_dim: int, out_dim: int, last_bn: bool) -> nn.Sequential:
+    """MoCo v3's MLP: Linear (no bias) layers with BN + ReLU between them, and optionally a last BN without
+    affine parameters (SimCLR's design). ``[N, in_dim] -> [N, out_dim]``."""
+    layers: list[nn.Module] = []
+    for i in range(num_layers):
+        d_in = in_dim if i == 0 else hidden_dim
+        d_out = out_dim if i == num_layers - 1 else hidden_dim
+        layers.append(nn.Linear(d_in, d_out, bias=False))
+        if i < num_layers - 1:
+            layers += [nn.BatchNorm1d(d_out), nn.ReLU(inplace=True)]
+        elif last_bn:
+            layers.append(nn.BatchNorm1d(d_out, affine=False))
+    return nn.Sequential(*layers)
+
+
+def contrastive_loss(q: torch.Tensor, k: torch.Tensor, temperature: float) -> torch.Tensor:
+    """MoCo v3's loss of one direction: each query against every key of the global batch, scaled by 2T.
+
+    The positive of query ``n`` on this process is key ``n`` of this process's slice of the gathered keys; the
+    other ``world*N - 1`` keys are its negatives. No gradient flows through the gathered keys.
+
+    Args:
+        q: queries, [N, C] (normalised here).
+        k: keys from the other view, [N, C] (normalised here), this process's batch.
+        temperature: softmax temperature T.
+
+    Returns:
+        Scalar: ``2T * cross_entropy(q k_all^T / T, positives)``.
+    """
+    q = F.normalize(q.float(), dim=1)
+    k = F.normalize(k.float(), dim=1)
+    k_all = dist.gather_no_grad(k)  # keys of the whole batch: (world*N)xC
+    logits = torch.einsum("nc,mc->nm", q, k_all) / temperature  # Nx(world*N)
+    n = q.shape[0]
+    labels = torch.arange(n, dtype=torch.long, device=q.device) + n * dist.rank()
+    return F.cross_entropy(logits, labels) * (2 * temperature)
+
+
+class MoCoV3(MoCo):
+    """MoCo v3: projector with BN, a predictor on the query branch, symmetric in-batch loss, no queue.
+
+    Args:
+        backbone, feature_dim: the backbone and its output width D.
+        dim: projection (and prediction) output width C (256 in the paper).
+        mlp_hidden: hidden width of projector and predictor (4096); 0 = ``feature_dim``.
+        temperature: 1.0 for ResNets, 0.2 for ViTs in the paper.
+        projector_layers: 2 for ResNets, 3 for ViTs.
+        predictor_last_bn: the reference code ends the ViT predictor with an affine-free BN, not the ResNet's.
+    """
+
+    def __init__(self, backbone: nn.Module, feature_dim: int, dim: int = 256, mlp_hidden: int = 4096,
+                 temperature: float = 1.0, projector_layers: int = 2, predictor_last_bn: bool = False):
+        self.projector_layers = projector_layers  # read by build_projector inside MoCo.__init__
+        super().__init__(backbone, feature_dim, dim, mlp_hidden, temperature)
+        self.predictor = build_mlp(2, dim, mlp_hidden or feature_dim, dim, last_bn=predictor_last_bn)
+
+    def build_projector(self, in_dim: int, hidden_dim: int, out_dim: int) -> nn.Module:
+        return build_mlp(self.projector_layers, in_dim, hidden_dim, out_dim, last_bn=True)
+
+    def forward(self, x1: torch.Tensor, x2: torch.Tensor, m: float) -> torch.Tensor:
+        """Symmetric loss: queries of each view against the keys of the other view (2T-scaled, summed)."""
+        q1 = self.predictor(self.encoder_q(x1))  # queries: NxC
+        q2 = self.predictor(self.encoder_q(x2))
+
+        with torch.no_grad():
+            self.momentum_update(m)  # update the key encoder before computing keys
+            k1 = self.encoder_k(x1)  # keys: NxC (no shuffle-BN: v3 compares in-batch keys only)
+            k2 = self.encoder_k(x2)
+
+        return contrastive_loss(q1, k2, self.temperature) + contrastive_loss(q2, k1, self.temperature)

@@ -67,15 +67,40 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
     return torch.device("cpu")
 
 
+MIN_BN_GROUP = 16
+
+
 def resolve_bn_splits(requested: int, per_process_batch: int, world_size: int) -> int:
-    """Split-BN groups: as requested, or 8 in one process (1 under DDP, where shuffle-BN does the job)."""
+    """Split-BN groups: as requested, or in one process up to 8 groups of at least ``MIN_BN_GROUP`` images
+    (1 under DDP, where shuffle-BN across processes does the job)."""
     if requested:
         if per_process_batch % requested:
             raise ConfigError(f"--bn-splits {requested} must divide the per-process batch {per_process_batch}")
         return requested
     if world_size > 1:
         return 1
-    return max(g for g in range(1, 9) if per_process_batch % g == 0)
+    # groups of fewer than ~16 images give BN statistics too noisy to learn from (measured: 4 per group stalls)
+    return max(g for g in range(1, 9) if per_process_batch % g == 0 and per_process_batch // g >= MIN_BN_GROUP or g == 1)
+
+
+def fit_queue_to_data(queue_size: int, batch_size: int, num_images: int) -> int:
+    """The MoCo v2 queue length to use: ``queue_size``, capped at half the images (a multiple of the batch).
+
+    A queue as long as an epoch holds an older key of every image, so each query would meet its own image as
+    a negative and training collapses (seen on small folders: loss climbs to log(K+1), k-NN accuracy falls).
+    MoCo's ImageNet setting keeps K at 5% of the images; half is the most that still works.
+    """
+    limit = num_images // 2 // batch_size * batch_size
+    if queue_size <= limit:
+        return queue_size
+    if limit < batch_size:
+        raise DataError(
+            f"{num_images} images are too few for MoCo v2 with --batch-size {batch_size}: the queue needs at least "
+            f"two batches of other images; add images or lower --batch-size"
+        )
+    LOG.warning("--queue-size %d is more than half of the %d images; using %d so the queue never holds the "
+                "query's own image", queue_size, num_images, limit)
+    return limit
 
 
 def seed_everything(seed: int) -> None:
@@ -168,6 +193,8 @@ def _train(cfg: TrainConfig, device: torch.device, resume, stop_at_epoch) -> Tra
             f"add images or lower --batch-size"
         )
     bn_splits = resolve_bn_splits(cfg.bn_splits, per_process_batch, world)
+    if cfg.moco_version == 2:
+        cfg = cfg.replace(queue_size=fit_queue_to_data(cfg.queue_size, cfg.batch_size, len(images)))
     knn_folder = _find_knn_folder(cfg, len(images.classes) >= 2 and None not in images.labels)
     monitor = None
     if knn_folder is not None and is_main:
@@ -203,6 +230,10 @@ def _train(cfg: TrainConfig, device: torch.device, resume, stop_at_epoch) -> Tra
         if is_main:
             LOG.info("resuming %s from epoch %d (step %d)", run_dir, start_epoch, step)
             _truncate_metrics(run_dir / METRICS, step)
+    if world > 1 and cfg.moco_version == 3 and device.type == "cuda":
+        # v3 normalises over the global batch (SyncBN, as in the paper); torch's SyncBN has no CPU kernel, so
+        # gloo/CPU runs keep per-process BN. Conversion reuses the Parameter objects: the optimizer stays valid.
+        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     if cfg.compile:
         model.encoder_q.compile()
         model.encoder_k.compile()

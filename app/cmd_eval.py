@@ -1,0 +1,118 @@
+"""``moco eval knn`` / ``moco eval linear``: top-1 accuracy of a trained encoder on labeled folders.
+
+MODEL is a run directory, a checkpoint, or an exported ``.onnx`` encoder; an ONNX file is run through the
+indexer's ONNX Runtime encoder, exactly as ``moco index`` and ``moco serve`` will run it.
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+EPILOG_EVAL = """\
+examples:
+  moco eval knn --train shapes/train --test shapes/val runs/shapes
+  moco eval knn --train shapes/train --test shapes/val runs/shapes/encoder.onnx --out results/knn.json
+  moco eval linear --train shapes/train --test shapes/val runs/shapes/checkpoint_0100.pt --epochs 200
+
+Folders are labeled by their first-level subfolders (<folder>/<class>/<image>). Results print as a table
+and are written as JSON to --out (default: eval_<protocol>.json next to MODEL).
+"""
+
+
+def open_model(model: str, device: str, batch_size: int, workers: int):
+    """An embedder for MODEL: the ONNX encoder for ``.onnx`` files, else the checkpoint's backbone."""
+    if model.endswith(".onnx"):
+        from indexer.encoder import OnnxEncoder
+
+        return OnnxEncoder(model, device=device)
+    from trainer.evaluate import CheckpointEmbedder
+
+    return CheckpointEmbedder(model, device=device, batch_size=batch_size, workers=workers)
+
+
+def default_out(model: str, protocol: str) -> Path:
+    path = Path(model)
+    return (path if path.is_dir() else path.parent) / f"eval_{protocol}.json"
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from trainer.evaluate import LinearProbeConfig, evaluate, format_table, write_results
+
+    embedder = open_model(args.model, args.device, args.batch_size, args.workers)
+    probe = None
+    if args.protocol == "linear":
+        probe = LinearProbeConfig(epochs=args.epochs, batch_size=args.probe_batch_size, lr=args.lr,
+                                  weight_decay=args.weight_decay, seed=args.seed)
+    doc = evaluate(args.protocol, embedder, args.train, args.test, ks=tuple(getattr(args, "k", (20, 200))),
+                   temperature=getattr(args, "temperature", 0.07), probe=probe)
+    out = write_results(doc, args.out or default_out(args.model, args.protocol))
+    print(format_table(doc))
+    print(f"wrote {out}")
+    return 0
+
+
+def _check_positive(value: str) -> int:
+    number = int(value)
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {number}")
+    return number
+
+
+def _k_list(value: str) -> list[int]:
+    try:
+        ks = [int(part) for part in value.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated whole numbers like 20,200, got {value!r}") from None
+    if not ks or min(ks) < 1:
+        raise argparse.ArgumentTypeError(f"neighbour counts must be at least 1, got {value!r}")
+    return ks
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", metavar="MODEL",
+                   help="run directory, checkpoint (.pt) or exported encoder (.onnx) to evaluate")
+    p.add_argument("--train", required=True, metavar="LABELED_DIR",
+                   help="labeled folder (<dir>/<class>/<image>) the classifier learns from")
+    p.add_argument("--test", required=True, metavar="LABELED_DIR",
+                   help="labeled folder (<dir>/<class>/<image>) whose accuracy is reported")
+    p.add_argument("--out", default=None, metavar="JSON",
+                   help="results file (default: eval_<protocol>.json in the run directory / next to MODEL)")
+    p.add_argument("--device", default="auto", help="auto (GPU when usable), cpu, cuda or cuda:N (default auto)")
+    p.add_argument("--batch-size", type=_check_positive, default=256,
+                   help="images per forward pass when computing features (default 256)")
+    p.add_argument("--workers", type=int, default=0,
+                   help="image-decoding processes for checkpoint models (default 0 = in the main process)")
+
+
+def register(sub) -> None:
+    p = sub.add_parser("eval", help="measure a trained encoder: k-NN or linear-probe top-1 accuracy",
+                       description="Measure a trained encoder the way the MoCo papers do, on a labeled training "
+                                   "folder and a labeled test folder. Backbone features are computed once "
+                                   "(frozen, eval mode) and reused.",
+                       epilog=EPILOG_EVAL, formatter_class=argparse.RawDescriptionHelpFormatter)
+    protocols = p.add_subparsers(dest="protocol", metavar="PROTOCOL", required=True)
+
+    knn = protocols.add_parser("knn", help="weighted k-NN on cosine similarity (k=20 and 200, T=0.07)",
+                               description="Classify each test image by a vote of its k most similar training "
+                                           "images (cosine similarity, votes weighted exp(similarity/T)).",
+                               epilog=EPILOG_EVAL, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_common(knn)
+    knn.add_argument("--k", type=_k_list, default=[20, 200], metavar="K[,K...]",
+                     help="neighbour counts to report, comma-separated (default 20,200; clipped to the training "
+                          "images)")
+    knn.add_argument("--temperature", type=float, default=0.07, help="vote temperature T (default 0.07)")
+    knn.set_defaults(func=cmd_eval)
+
+    linear = protocols.add_parser("linear", help="linear classifier trained on frozen features",
+                                  description="Train a linear classifier on the frozen, standardised backbone "
+                                              "features of the training folder; report its test accuracy.",
+                                  epilog=EPILOG_EVAL, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_common(linear)
+    linear.add_argument("--epochs", type=_check_positive, default=100,
+                        help="passes over the cached features (default 100)")
+    linear.add_argument("--lr", type=float, default=0.1, help="peak SGD learning rate, cosine-decayed (default 0.1)")
+    linear.add_argument("--weight-decay", type=float, default=0.0, help="L2 on the classifier (default 0)")
+    linear.add_argument("--probe-batch-size", type=_check_positive, default=256,
+                        help="features per classifier step (default 256)")
+    linear.add_argument("--seed", type=int, default=0, help="seed for the classifier's init and shuffling")
+    linear.set_defaults(func=cmd_eval)

@@ -1,0 +1,159 @@
+"""``moco eval knn`` / ``moco eval linear`` on generated labeled folders: the protocols against hand
+computations, real checkpoints and a real exported ONNX encoder, the JSON they write, and their errors."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from app.cli import main
+from tests.conftest import tiny_train_config
+from trainer.build import build_model
+from trainer.checkpoint import CHECKPOINT_FORMAT, CHECKPOINT_VERSION, save_atomic
+from trainer.config import TrainConfig
+from trainer.evaluate import LinearProbeConfig, knn_top1, linear_probe
+from trainer.train import train
+
+COLOURS = {"red": (220, 30, 30), "green": (30, 200, 40), "blue": (30, 40, 220)}
+
+
+def _colour_folder(root: Path, per_class: int, seed: int) -> Path:
+    """Three classes of noisy solid-colour 32 px images: any encoder, even a random one, separates them."""
+    rng = np.random.default_rng(seed)
+    for name, rgb in COLOURS.items():
+        (root / name).mkdir(parents=True, exist_ok=True)
+        for i in range(per_class):
+            pixels = np.clip(np.array(rgb) + rng.normal(0, 25, size=(32, 32, 3)), 0, 255).astype(np.uint8)
+            Image.fromarray(pixels).save(root / name / f"{name}_{i:03d}.png")
+    return root
+
+
+@pytest.fixture(scope="module")
+def colour_split(tmp_path_factory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("colours")
+    return _colour_folder(root / "train", 10, seed=0), _colour_folder(root / "test", 5, seed=1)
+
+
+def _random_init_checkpoint(path: Path, arch: str, moco_version: int) -> Path:
+    """A real checkpoint file of a randomly initialised model (what ``moco train`` saves, minus optimizer state)."""
+    cfg = TrainConfig(data_dir="-", out_dir=str(path.parent), arch=arch, moco_version=moco_version, image_size=32,
+                      stem="imagenet", dim=16, mlp_hidden=32, run_id="random-init")
+    torch.manual_seed(0)
+    save_atomic({"format": CHECKPOINT_FORMAT, "format_version": CHECKPOINT_VERSION, "run_id": cfg.run_id,
+                 "config": cfg.to_dict(), "model": build_model(cfg).state_dict(), "epoch": 0, "step": 0}, path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def trained_run(shapes_dir, tmp_path_factory) -> Path:
+    """A real run directory: ResNet-18 MoCo v2, one epoch on the shapes (about 10 s on CPU)."""
+    torch.set_num_threads(1)
+    run = tmp_path_factory.mktemp("eval_run") / "run"
+    train(tiny_train_config(shapes_dir, run, epochs=1))
+    return run
+
+
+def test_knn_top1__matches_hand_computed_vote():
+    xb = np.array([[1, 0], [0.8, 0.6], [0, 1], [-1, 0]], dtype=np.float32)  # L2-normalised rows
+    yb = np.array([0, 1, 1, 0])
+    xq = np.array([[0.6, 0.8]], dtype=np.float32)
+    # k = 2: neighbours 1 (s = 0.96) and 2 (s = 0.8), both class 1 -> correct for label 1
+    # k = 4: class 0 gets exp(0.6/T) + exp(-0.6/T), class 1 gets exp(0.96/T) + exp(0.8/T) -> class 1
+    rows = knn_top1(xb, yb, xq, np.array([1]), num_classes=2, ks=(2, 4, 10), temperature=0.07)
+    assert [r["top1"] for r in rows] == [1.0, 1.0, 1.0]
+    assert [r["k_used"] for r in rows] == [2, 4, 4]
+    # with T large the vote is nearly a count: k = 4 ties 2-2 and the heavier class 1 still wins; k=1 only sees 1
+    rows = knn_top1(xb, yb, xq, np.array([0]), num_classes=2, ks=(1,), temperature=0.07)
+    assert rows[0]["top1"] == 0.0
+
+
+def test_linear_probe__separable_features_reach_full_accuracy():
+    rng = np.random.default_rng(0)
+    centres = rng.normal(size=(4, 16)) * 3
+    yb, yq = np.repeat(np.arange(4), 20), np.repeat(np.arange(4), 10)
+    xb = (centres[yb] + rng.normal(size=(80, 16))).astype(np.float32)
+    xq = (centres[yq] + rng.normal(size=(40, 16))).astype(np.float32)
+    result = linear_probe(xb, yb, xq, yq, 4, LinearProbeConfig(epochs=30, batch_size=16))
+    assert result["top1"] == 1.0 and result["train_top1"] == 1.0 and result["epochs"] == 30
+    chance = linear_probe(xb, yb, xq, rng.permutation(yq), 4, LinearProbeConfig(epochs=30, batch_size=16))
+    assert chance["top1"] < 0.6  # shuffled test labels: the probe cannot be right by construction
+
+
+@pytest.mark.parametrize("arch, moco_version", [("resnet18", 2), ("vit_tiny", 3)])
+def test_eval_knn__random_init_checkpoint_separates_colour_classes(arch, moco_version, colour_split, tmp_path, capsys):
+    ckpt = _random_init_checkpoint(tmp_path / "random.pt", arch, moco_version)
+    train_dir, test_dir = colour_split
+    assert main(["eval", "knn", "--train", str(train_dir), "--test", str(test_dir), str(ckpt),
+                 "--device", "cpu", "--batch-size", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "k-NN top-1, k=20, T=0.07" in out and "k=200 (clipped to 30)" in out
+    doc = json.loads((tmp_path / "eval_knn.json").read_text())  # default: next to the checkpoint
+    assert doc["protocol"] == "knn" and doc["classes"] == ["blue", "green", "red"]
+    assert (doc["train_images"], doc["test_images"]) == (30, 15)
+    assert doc["model"]["model_kind"] == "checkpoint" and doc["model"]["arch"] == arch
+    assert doc["model"]["moco_version"] == moco_version
+    by_k = {r["k"]: r for r in doc["results"]}
+    assert set(by_k) == {20, 200} and by_k[200]["k_used"] == 30
+    assert by_k[20]["top1"] >= 0.9  # noisy solid colours: separable by any encoder, trained or not
+    assert f"{100 * by_k[20]['top1']:.2f}%" in out
+
+
+def test_eval_linear__random_init_checkpoint_writes_json_to_out(colour_split, tmp_path, capsys):
+    ckpt = _random_init_checkpoint(tmp_path / "random.pt", "resnet18", 2)
+    train_dir, test_dir = colour_split
+    out = tmp_path / "results" / "linear.json"
+    assert main(["eval", "linear", "--train", str(train_dir), "--test", str(test_dir), str(ckpt),
+                 "--device", "cpu", "--epochs", "30", "--out", str(out)]) == 0
+    assert "linear probe top-1 (30 epochs)" in capsys.readouterr().out
+    doc = json.loads(out.read_text())
+    (result,) = doc["results"]
+    assert result["metric"] == "linear_top1" and result["top1"] >= 0.9 and result["train_top1"] == 1.0
+
+
+def test_eval__trained_run_directory_writes_json_into_the_run(trained_run, shapes_dir, capsys):
+    assert main(["eval", "linear", "--train", str(shapes_dir), "--test", str(shapes_dir), str(trained_run),
+                 "--device", "cpu", "--epochs", "20"]) == 0
+    capsys.readouterr()
+    doc = json.loads((trained_run / "eval_linear.json").read_text())
+    assert doc["model"]["epoch"] == 1 and doc["train_images"] == doc["test_images"] == 96
+    assert 0.0 <= doc["results"][0]["top1"] <= 1.0 and len(doc["classes"]) == 8
+
+
+def test_eval_knn__onnx_encoder_agrees_with_its_checkpoint(trained_run, colour_split, tmp_path, capsys):
+    from trainer.export import export_encoder
+
+    onnx_path = tmp_path / "encoder.onnx"
+    export_encoder(trained_run, onnx_path)
+    train_dir, test_dir = colour_split
+    common = ["--train", str(train_dir), "--test", str(test_dir), "--device", "cpu", "--k", "5"]
+    assert main(["eval", "knn", *common, str(onnx_path)]) == 0
+    assert main(["eval", "knn", *common, str(trained_run), "--out", str(tmp_path / "ckpt.json")]) == 0
+    capsys.readouterr()
+    from_onnx = json.loads((tmp_path / "eval_knn.json").read_text())  # default: next to the ONNX file
+    from_ckpt = json.loads((tmp_path / "ckpt.json").read_text())
+    assert from_onnx["model"]["model_kind"] == "onnx" and from_onnx["model"]["arch"] == "resnet18"
+    assert abs(from_onnx["results"][0]["top1"] - from_ckpt["results"][0]["top1"]) <= 1 / 15 + 1e-9  # one image
+    # the features themselves agree: the ONNX path preprocesses and embeds as the checkpoint path does
+    from app.cmd_eval import open_model
+
+    paths = [str(p) for p in sorted(train_dir.rglob("*.png"))[:6]]
+    onnx_x = open_model(str(onnx_path), "cpu", 16, 0).embed_images(paths)
+    ckpt_x = open_model(str(trained_run), "cpu", 16, 0).embed_images(paths)
+    assert onnx_x.shape == ckpt_x.shape == (6, 512)
+    assert np.abs(onnx_x - ckpt_x).max() < 1e-3
+
+
+def test_eval__unlabeled_or_missing_folders_are_one_line_errors(trained_run, colour_split, tmp_path, capsys):
+    train_dir, _ = colour_split
+    flat = tmp_path / "flat"
+    flat.mkdir()
+    Image.new("RGB", (32, 32)).save(flat / "a.png")
+    assert main(["eval", "knn", "--train", str(train_dir), "--test", str(flat), str(trained_run)]) == 3
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--test folder" in err and "class subfolders" in err
+    assert main(["eval", "knn", "--train", str(train_dir), "--test", str(train_dir), str(tmp_path / "nope")]) == 4
+    assert "no checkpoint at" in capsys.readouterr().err

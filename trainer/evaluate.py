@@ -1,0 +1,294 @@
+"""Measure a trained encoder the way the MoCo papers do: weighted k-NN and a linear probe, top-1 accuracy.
+
+Both protocols read two labeled folders (``<folder>/<class>/<image>``): the training folder is the k-NN
+memory bank or the probe's training set, the test folder is classified. Features come from an *embedder*,
+anything with ``image_size``, ``embedding_dim`` and ``embed_images(paths) -> [N, D] float32`` L2-normalised
+rows. :class:`CheckpointEmbedder` wraps a run directory or checkpoint; the exported ONNX encoder
+(``indexer.encoder.OnnxEncoder``) has the same interface, and ``moco eval`` picks it for ``.onnx`` files, so
+a user can evaluate exactly the model they will serve. This module never imports the indexer itself.
+
+Features are computed once per folder and kept in memory; the linear probe then trains on those cached
+features (frozen backbone, eval-mode BN, no augmentation) for as many epochs as it likes.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+from tqdm import tqdm
+
+from trainer.augment import EVAL_RESIZE_POLICY, eval_transform
+from trainer.checkpoint import resolve_checkpoint
+from trainer.errors import DataError, OutputError
+from trainer.imagefolder import load_rgb, scan_image_folder
+from trainer.knn import knn_predict
+
+LOG = logging.getLogger(__name__)
+
+EVAL_FORMAT = "moco-retrieval/eval"
+EVAL_VERSION = 1
+
+
+# ---- data ------------------------------------------------------------------------------------------------
+@dataclass
+class LabeledImages:
+    """Absolute image paths of one labeled folder and their class indices into a shared class list."""
+
+    folder: Path
+    paths: list[str]
+    labels: np.ndarray  # [N] int64
+
+
+def load_labeled_pair(train_dir: str | Path, test_dir: str | Path) -> tuple[LabeledImages, LabeledImages, list[str]]:
+    """Scan a training and a test folder into one label space (the sorted union of their class names).
+
+    Raises:
+        DataError: a folder is missing, empty, or not split into at least two class subfolders.
+    """
+    scanned = {}
+    for role, folder in (("--train", train_dir), ("--test", test_dir)):
+        images = scan_image_folder(folder)
+        if len(images.classes) < 2 or any(label is None for label in images.labels):
+            raise DataError(f"{role} folder {folder} needs its images in at least two class subfolders "
+                            f"(<folder>/<class>/<image>)")
+        scanned[role] = images
+    classes = sorted(set(scanned["--train"].classes) | set(scanned["--test"].classes))
+    index = {name: i for i, name in enumerate(classes)}
+    out = []
+    for images in scanned.values():
+        paths = [str(Path(images.root) / rel) for rel in images.paths]
+        out.append(LabeledImages(Path(images.root), paths, np.array([index[x] for x in images.labels], dtype=np.int64)))
+    missing = sorted(set(scanned["--test"].classes) - set(scanned["--train"].classes))
+    if missing:
+        LOG.warning("test classes absent from the training folder (always misclassified): %s", ", ".join(missing))
+    return out[0], out[1], classes
+
+
+class _Images(Dataset):
+    def __init__(self, paths: list[str], transform):
+        self.paths, self.transform = paths, transform
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        try:
+            return self.transform(load_rgb(self.paths[i]))
+        except OSError as exc:
+            raise DataError(f"cannot decode {self.paths[i]}: {exc}; remove or replace the file") from exc
+
+
+# ---- embedders ---------------------------------------------------------------------------------------------
+class CheckpointEmbedder:
+    """Features of a trained backbone from a run directory or checkpoint (eval mode, eval preprocessing).
+
+    Args:
+        path: run directory (its ``checkpoint_last.pt``) or checkpoint file.
+        device: torch device, or ``auto``.
+        batch_size, workers: feature-extraction loader settings.
+    """
+
+    kind = "checkpoint"
+
+    def __init__(self, path: str | Path, device: str = "auto", batch_size: int = 256, workers: int = 0):
+        # the export's loader: the same checks and the same backbone as `moco export` (heavy imports, so lazy)
+        from trainer.export import embedding_dim, load_backbone
+        from trainer.train import resolve_device
+
+        self.path = resolve_checkpoint(path)
+        backbone, self.config, ckpt = load_backbone(self.path)
+        self.image_size = self.config.image_size
+        self.embedding_dim = embedding_dim(backbone, self.image_size)  # one zero image, on the CPU
+        self.device = resolve_device(device)
+        self.backbone = backbone.to(self.device).eval()
+        self.epoch = ckpt.get("epoch")
+        self.batch_size, self.workers = batch_size, workers
+
+    def describe(self) -> dict:
+        """What was evaluated, for the results JSON."""
+        return {"model_kind": self.kind, "checkpoint": str(self.path), "arch": self.config.arch,
+                "moco_version": self.config.moco_version, "epoch": self.epoch, "run_id": self.config.run_id,
+                "image_size": self.image_size, "embedding_dim": self.embedding_dim, "resize": EVAL_RESIZE_POLICY}
+
+    @torch.no_grad()
+    def embed_images(self, paths: list[str]) -> np.ndarray:
+        """L2-normalised backbone features of image files: ``[N, D]`` float32, in ``paths`` order."""
+        loader = DataLoader(_Images(paths, eval_transform(self.image_size)), batch_size=self.batch_size,
+                            num_workers=self.workers)
+        feats = [F.normalize(self.backbone(x.to(self.device)).float(), dim=1).cpu() for x in loader]
+        return torch.cat(feats).numpy() if feats else np.zeros((0, self.embedding_dim), dtype=np.float32)
+
+
+def describe_embedder(embedder) -> dict:
+    """The embedder's own description, or its common attributes (an ONNX encoder and its metadata)."""
+    if hasattr(embedder, "describe"):
+        return embedder.describe()
+    meta = getattr(embedder, "metadata", {})
+    return {"model_kind": "onnx" if str(getattr(embedder, "path", "")).endswith(".onnx") else type(embedder).__name__,
+            "path": str(getattr(embedder, "path", "")), "sha256": getattr(embedder, "sha256", None),
+            **{k: meta[k] for k in ("arch", "moco_version", "run_id", "resize") if k in meta},
+            "image_size": int(embedder.image_size), "embedding_dim": int(embedder.embedding_dim)}
+
+
+def embed(embedder, images: LabeledImages, chunk: int = 512) -> np.ndarray:
+    """Features of every image of ``images``, ``chunk`` files at a time: ``[N, D]`` float32, checked for shape."""
+    parts = []
+    with tqdm(total=len(images.paths), desc=f"features {images.folder.name}", unit="img", leave=False,
+              dynamic_ncols=True) as bar:
+        for start in range(0, len(images.paths), chunk):
+            paths = images.paths[start:start + chunk]
+            parts.append(np.asarray(embedder.embed_images(paths), dtype=np.float32))
+            bar.update(len(paths))
+    x = np.concatenate(parts)
+    if x.ndim != 2 or x.shape[0] != len(images.paths):
+        raise DataError(f"the model returned features of shape {x.shape} for {len(images.paths)} images")
+    LOG.info("embedded %d images of %s: %d-d", x.shape[0], images.folder, x.shape[1])
+    return x
+
+
+# ---- protocols -------------------------------------------------------------------------------------------
+def knn_top1(xb: np.ndarray, yb: np.ndarray, xq: np.ndarray, yq: np.ndarray, num_classes: int,
+             ks: tuple[int, ...] = (20, 200), temperature: float = 0.07) -> list[dict]:
+    """Weighted k-NN top-1 accuracy (cosine similarity, votes ``exp(s / T)``), one row per k.
+
+    Args:
+        xb, yb: memory bank, [N, D] L2-normalised and [N] class indices.
+        xq, yq: queries, [M, D] L2-normalised and [M] class indices.
+        num_classes: size of the label space.
+        ks: neighbour counts; each is clipped to N (the row records both).
+
+    Returns:
+        ``[{"metric": "knn_top1", "k": k, "k_used": k', "temperature": T, "top1": acc}, ...]``.
+    """
+    n, d = xb.shape
+    if xq.shape[1] != d:
+        raise DataError(f"query features are {xq.shape[1]}-d but the memory bank is {d}-d")
+    xb_t, yb_t, xq_t = torch.from_numpy(xb), torch.from_numpy(yb), torch.from_numpy(xq)
+    rows = []
+    for k in ks:
+        scores = knn_predict(xb_t, yb_t, xq_t, num_classes, k=k, temperature=temperature)
+        top1 = float((scores.argmax(1).numpy() == yq).mean())
+        rows.append({"metric": "knn_top1", "k": k, "k_used": min(k, n), "temperature": temperature, "top1": top1})
+    return rows
+
+
+@dataclass
+class LinearProbeConfig:
+    """The linear probe's training: SGD with momentum and a cosine schedule on standardised frozen features."""
+
+    epochs: int = 100  # passes over the cached training features
+    batch_size: int = 256  # features per step
+    lr: float = 0.1  # peak learning rate (cosine-decayed to 0)
+    weight_decay: float = 0.0  # L2 on the classifier weights
+    seed: int = 0  # initialisation and shuffling
+
+
+def linear_probe(xb: np.ndarray, yb: np.ndarray, xq: np.ndarray, yq: np.ndarray, num_classes: int,
+                 cfg: LinearProbeConfig = LinearProbeConfig()) -> dict:
+    """Train a linear classifier on frozen features, return its top-1 accuracy on the test features.
+
+    The features are standardised with the training set's mean and standard deviation (BN without affine
+    parameters, as in MAE's probe), so one learning rate suits any backbone.
+
+    Args:
+        xb, yb: training features [N, D] and class indices [N].
+        xq, yq: test features [M, D] and class indices [M].
+        num_classes: size of the label space.
+
+    Returns:
+        ``{"metric": "linear_top1", "top1": test acc, "train_top1": train acc, **cfg}``.
+    """
+    n, d = xb.shape
+    if xq.shape[1] != d:
+        raise DataError(f"test features are {xq.shape[1]}-d but the training features are {d}-d")
+    gen = torch.Generator().manual_seed(cfg.seed)
+    x, y = torch.from_numpy(xb), torch.from_numpy(yb)
+    mean, std = x.mean(0), x.std(0, unbiased=False).clamp_min(1e-6)
+    x = (x - mean) / std
+    classifier = nn.Linear(d, num_classes)
+    with torch.no_grad():
+        classifier.weight.normal_(0, 0.01, generator=gen)
+        classifier.bias.zero_()
+    optimizer = torch.optim.SGD(classifier.parameters(), lr=cfg.lr, momentum=0.9, weight_decay=cfg.weight_decay)
+    steps_per_epoch = -(-n // cfg.batch_size)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, cfg.epochs * steps_per_epoch)
+    for _ in tqdm(range(cfg.epochs), desc="linear probe", leave=False, dynamic_ncols=True):
+        order = torch.randperm(n, generator=gen)
+        for start in range(0, n, cfg.batch_size):
+            idx = order[start:start + cfg.batch_size]
+            loss = F.cross_entropy(classifier(x[idx]), y[idx])
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            scheduler.step()
+    with torch.no_grad():
+        train_top1 = float((classifier(x).argmax(1) == y).float().mean())
+        pred = classifier((torch.from_numpy(xq) - mean) / std).argmax(1).numpy()
+    return {"metric": "linear_top1", "top1": float((pred == yq).mean()), "train_top1": train_top1, **asdict(cfg)}
+
+
+# ---- end to end ------------------------------------------------------------------------------------------
+def evaluate(protocol: str, embedder, train_dir: str | Path, test_dir: str | Path, ks: tuple[int, ...] = (20, 200),
+             temperature: float = 0.07, probe: LinearProbeConfig | None = None) -> dict:
+    """Run ``protocol`` (``knn`` or ``linear``) on ``embedder`` and return the results document (see
+    :func:`write_results`)."""
+    if protocol not in ("knn", "linear"):
+        raise ValueError(f"unknown protocol {protocol!r}")
+    train, test, classes = load_labeled_pair(train_dir, test_dir)
+    xb, xq = embed(embedder, train), embed(embedder, test)
+    if protocol == "knn":
+        results = knn_top1(xb, train.labels, xq, test.labels, len(classes), ks, temperature)
+    else:
+        results = [linear_probe(xb, train.labels, xq, test.labels, len(classes), probe or LinearProbeConfig())]
+    return {
+        "format": EVAL_FORMAT, "format_version": EVAL_VERSION, "protocol": protocol,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "model": describe_embedder(embedder), "train_dir": str(train.folder), "test_dir": str(test.folder),
+        "train_images": len(train.paths), "test_images": len(test.paths), "classes": classes, "results": results,
+    }
+
+
+def write_results(doc: dict, path: str | Path) -> Path:
+    """Write the results document as JSON, atomically (temp file + rename). Raises OutputError."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(doc, indent=2) + "\n")
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise OutputError(f"cannot write {path}: {exc.strerror or exc}; pass --out with a writable path") from exc
+    return path
+
+
+def format_table(doc: dict) -> str:
+    """The results as a small text table (one row per measured accuracy)."""
+    rows = []
+    for r in doc["results"]:
+        if r["metric"] == "knn_top1":
+            k = f"k={r['k']}" + (f" (clipped to {r['k_used']})" if r["k_used"] != r["k"] else "")
+            rows.append((f"k-NN top-1, {k}, T={r['temperature']:g}", f"{100 * r['top1']:.2f}%"))
+        else:
+            rows.append((f"linear probe top-1 ({r['epochs']} epochs)", f"{100 * r['top1']:.2f}%"))
+            rows.append(("linear probe train top-1", f"{100 * r['train_top1']:.2f}%"))
+    width = max(len(name) for name, _ in rows)
+    model = doc["model"]
+    lines = [
+        f"model: {model.get('checkpoint', model.get('path', ''))} ({model['model_kind']}, "
+        f"{model['embedding_dim']}-d features at {model['image_size']} px)",
+        f"train: {doc['train_dir']} ({doc['train_images']} images), test: {doc['test_dir']} "
+        f"({doc['test_images']} images), {len(doc['classes'])} classes",
+        f"{'metric':<{width}}  top-1",
+    ]
+    lines += [f"{name:<{width}}  {value}" for name, value in rows]
+    return "\n".join(lines)
