@@ -35,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    logging.getLogger("faiss.loader").setLevel(logging.WARNING)  # its CPU-feature probing is noise to a user
     try:
         return args.func(args)
     except MocoError as exc:

@@ -36,7 +36,7 @@ def _tint(rng: np.random.Generator, level: float) -> np.ndarray:
 
 
 def _background(rng: np.random.Generator, size: int, level: float) -> Image.Image:
-    c0, c1 = _tint(rng, level - 20), _tint(rng, level + 20)
+    c0, c1 = _tint(rng, level - 10), _tint(rng, level + 10)
     t = np.linspace(0, 1, size)[None, :, None]
     grad = c0 * (1 - t) + c1 * t  # 1 x W x 3
     img = np.repeat(grad, size, axis=0)
@@ -72,8 +72,10 @@ def draw_shape(kind: str, rng: np.random.Generator, size: int = 64) -> Image.Ima
     Shapes are drawn as a loose 3x3 grid of copies (jittered, with a random phase, size, slight rotation and
     colour per image), so any crop of the image still shows the class; stripes and checkers fill the image.
     """
-    background = rng.uniform(40, 215)
-    foreground = (background + rng.uniform(70, 120) * rng.choice([-1, 1])) % 255
+    # Nuisances stay within what MoCo's augmentations undo (brightness jitter, crops, flips), so the one cue
+    # that tells images apart after augmentation is the pattern itself: learning it is learning the class.
+    background = rng.uniform(70, 130)
+    foreground = background + rng.uniform(70, 100)
     img = _background(rng, size, background)
     draw = ImageDraw.Draw(img)
     fill = tuple(int(c) for c in _tint(rng, foreground))
