@@ -42,30 +42,24 @@ class UploadTooLargeError(DataError):
 
 
 # -- response schemas (for the OpenAPI page; records may carry more fields) -----------------------------------
-class Hit(BaseModel):
+class _Record(BaseModel):
     id: int
+    path: str
+    label: str | None = None
+    width: int | None = None
+    height: int | None = None
+    bytes: int | None = None
+    sha256: str | None = None
+    duplicate_of: int | None = None
+    image_url: str
+
+
+class Hit(_Record):
     score: float
-    path: str
-    label: str | None = None
-    width: int | None = None
-    height: int | None = None
-    bytes: int | None = None
-    sha256: str | None = None
-    duplicate_of: int | None = None
-    image_url: str
 
 
-class Item(BaseModel):
-    id: int
-    path: str
-    label: str | None = None
-    width: int | None = None
-    height: int | None = None
-    bytes: int | None = None
-    sha256: str | None = None
+class Item(_Record):
     mtime: float | None = None
-    duplicate_of: int | None = None
-    image_url: str
 
 
 class SearchResponse(BaseModel):
