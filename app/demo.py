@@ -34,6 +34,8 @@ def run_demo(out: str | Path, epochs: int = 10, device: str = "auto", serve: boo
     first = _first_knn(result.run_dir)
     print(f"k-NN top-1 before training: {100 * first:.1f}%" if first is not None else "")
     print(f"k-NN top-1 after {result.epochs_done} epochs: {100 * result.knn_acc:.1f}%" if result.knn_acc is not None else "")
+    print(f"({result.steps} steps: enough to exercise the flow, not to learn; MoCo needs thousands of steps "
+          f"before it beats random features, see README)")
     print(f"run directory: {result.run_dir} (metrics.png shows the curves)")
     encoder = export_demo_encoder(result.run_dir, out)
     print(f"encoder: {encoder} (ONNX, checked against PyTorch)")
