@@ -151,7 +151,9 @@ def load_image(source: str | os.PathLike | bytes) -> Image.Image:
             return im.convert("RGB")
     except Image.DecompressionBombError as exc:
         raise DataError(f"{name}: too large ({exc})".splitlines()[0]) from exc
-    except (OSError, SyntaxError, ValueError) as exc:  # UnidentifiedImageError is an OSError
+    except Image.UnidentifiedImageError as exc:  # its text holds the repr of our file object: say it plainly
+        raise DataError(f"{name}: not a readable image (unknown or corrupt format)") from exc
+    except (OSError, SyntaxError, ValueError) as exc:
         raise DataError(f"{name}: not a readable image ({type(exc).__name__}: {exc})".splitlines()[0]) from exc
 
 

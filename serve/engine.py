@@ -28,7 +28,7 @@ from indexer.encoder import load_image, preprocess_image
 from indexer.layout import current_generation
 from serve.batching import MicroBatcher
 from serve.generation import ServedGeneration
-from trainer.errors import ArtifactError, ConfigError, DataError, MocoError
+from trainer.errors import ArtifactError, ConfigError, DataError, MocoError, UnknownItemError
 
 LOG = logging.getLogger(__name__)
 
@@ -36,12 +36,6 @@ DEFAULT_K = 10
 DEFAULT_CLASSIFY_K = 20          # k-NN evaluation defaults (DESIGN.md): k = 20, weights exp(s / 0.07)
 DEFAULT_TEMPERATURE = 0.07
 MAX_K = 1000
-
-
-class UnknownItemError(DataError):
-    """An item id that the index does not hold (never existed, or removed)."""
-
-    http_status = 404
 
 
 @dataclass

@@ -28,17 +28,11 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serve.engine import (DEFAULT_CLASSIFY_K, DEFAULT_K, DEFAULT_TEMPERATURE, EngineConfig, SearchEngine)
-from trainer.errors import DataError, MocoError
+from trainer.errors import DataError, MocoError, UploadTooLargeError
 
 LOG = logging.getLogger(__name__)
 
 MAX_UPLOAD_BYTES = 32 << 20  # an upload larger than this is refused with 413 before it is decoded
-
-
-class UploadTooLargeError(DataError):
-    """An uploaded file over the server's size limit."""
-
-    http_status = 413
 
 
 # -- response schemas (for the OpenAPI page; records may carry more fields) -----------------------------------

@@ -28,6 +28,18 @@ class DataError(MocoError):
     http_status = 400
 
 
+class UnknownItemError(DataError):
+    """An item id that an index does not hold (never existed, or removed)."""
+
+    http_status = 404
+
+
+class UploadTooLargeError(DataError):
+    """An uploaded file over the server's size limit."""
+
+    http_status = 413
+
+
 class ArtifactError(MocoError):
     """A run directory, checkpoint, ONNX model or index directory that is missing, foreign or mismatched."""
 
