@@ -268,7 +268,9 @@ def _train(cfg: TrainConfig, device: torch.device, resume, stop_at_epoch) -> Tra
         seed = _epoch_seed(cfg.seed, epoch, rank)
         seed_everything(seed)
         loader.sampler.set_epoch(epoch)
-        bar = tqdm(loader, desc=f"epoch {epoch + 1}/{cfg.epochs}", disable=not is_main, leave=False, dynamic_ncols=True)
+        # the bar is for terminals (disable=None: off when stderr is not a TTY); logs get one line per epoch
+        bar = tqdm(loader, desc=f"epoch {epoch + 1}/{cfg.epochs}", disable=None if is_main else True, leave=False,
+                   dynamic_ncols=True)
         tic, seen, losses = time.perf_counter(), 0, []
         for (x1, x2), _, index, ok in bar:
             if not ok.all():
