@@ -68,6 +68,9 @@ def _add_train_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--stop-at-epoch", type=int, default=None,
                    help="stop after this many epochs but keep the schedule of --epochs (continue later)")
     g.add_argument("--save-every", type=int, default=10, help="keep a numbered checkpoint every N epochs (default 10)")
+    g.add_argument("--save-every-steps", type=int, default=0,
+                   help="also save checkpoint_last.pt every N steps inside an epoch, so a killed run loses at most N "
+                        "steps (default 0: at epoch ends; Ctrl-C always saves where it stopped)")
     g.add_argument("--log-every", type=int, default=10, help="write metrics every N steps (default 10)")
     g = p.add_argument_group("k-NN monitor")
     g.add_argument("--knn-dir", default=None,
@@ -88,7 +91,7 @@ def _train_config(args: argparse.Namespace):
         queue_size=args.queue_size, momentum=args.momentum, temperature=args.temperature, dim=args.dim,
         bn_splits=args.bn_splits, workers=args.workers, device=args.device, amp=args.amp, compile=args.compile,
         seed=args.seed, knn_dir=args.knn_dir, knn_every=args.knn_every, knn_k=args.knn_k,
-        save_every=args.save_every, log_every=args.log_every,
+        save_every=args.save_every, save_every_steps=args.save_every_steps, log_every=args.log_every,
     )
 
 

@@ -138,3 +138,44 @@ def test_fit_queue_to_data__caps_queue_at_half_the_images():
     assert fit_queue_to_data(65536, 64, 1000) == 448  # half of 1000, down to a multiple of 64
     with pytest.raises(DataError, match="too few for MoCo v2"):
         fit_queue_to_data(65536, 64, 100)
+
+
+def test_train__ctrl_c_saves_mid_epoch_and_rerun_finishes_the_same_schedule(shapes_dir, tmp_path):
+    import signal
+    import time
+
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "app.cli", "train", str(shapes_dir), "--out", str(run), "--arch", "resnet18",
+           "--stem", "imagenet", "--image-size", "32", "--batch-size", "8", "--queue-size", "16", "--epochs", "1",
+           "--workers", "0", "--device", "cpu", "--knn-every", "0", "--log-every", "1"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline:  # wait until some steps of the 12-step epoch are done, then press Ctrl-C
+        metrics = run / "metrics.jsonl"
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
+            break
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-2000:]
+    assert "interrupted; completed work is saved" in err
+    ckpt = load_checkpoint(run)
+    assert ckpt["epoch"] == 0 and 0 < ckpt["batch_in_epoch"] < 12 and ckpt["step"] == ckpt["batch_in_epoch"]
+    rerun = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr[-2000:]
+    final = load_checkpoint(run)
+    assert final["epoch"] == 1 and final["batch_in_epoch"] == 0 and final["step"] == 12  # no batch lost or repeated
+
+
+def test_train__save_every_steps_writes_mid_epoch_checkpoints(shapes_dir, tmp_path):
+    result = train(tiny_train_config(shapes_dir, tmp_path / "run", epochs=2, batch_size=8, queue_size=16,
+                                     save_every_steps=5), stop_at_epoch=1)
+    assert result.steps == 12
+    ckpt = load_checkpoint(tmp_path / "run")  # epoch end overwrites the mid-epoch one
+    assert ckpt["epoch"] == 1 and ckpt["batch_in_epoch"] == 0
+    # what a kill after step 10 leaves behind (mid-epoch saves at steps 5 and 10)
+    ckpt["epoch"], ckpt["batch_in_epoch"], ckpt["step"] = 0, 10, 10
+    torch.save(ckpt, tmp_path / "run" / "checkpoint_last.pt")
+    resumed = train(tiny_train_config(shapes_dir, tmp_path / "run", epochs=2, batch_size=8, queue_size=16,
+                                      save_every_steps=5))
+    assert resumed.steps == 10 + 2 + 12  # the 2 remaining batches of epoch 1, then epoch 2

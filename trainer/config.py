@@ -87,6 +87,7 @@ class TrainConfig:
     knn_temperature: float = 0.07  # vote weight exp(similarity / T)
     knn_max_images: int = 5000  # cap on images used by the monitor (a fixed subset)
     save_every: int = 10  # also keep checkpoint_XXXX.pt every N epochs (checkpoint_last.pt every epoch)
+    save_every_steps: int = 0  # also write checkpoint_last.pt every N steps inside an epoch (0 = only at epoch ends)
     log_every: int = 10  # write a metrics.jsonl line every N steps
     run_id: str = ""  # set when the run starts; kept across resumes
     extra: dict = field(default_factory=dict)  # free-form notes carried into config.json
@@ -108,7 +109,7 @@ class TrainConfig:
         if self.moco_version == 2:
             _positive("queue_size", self.queue_size)
         for name in ("warmup_epochs", "weight_decay", "workers", "mlp_hidden", "bn_splits", "knn_every", "queue_size",
-                     "patch_size"):
+                     "patch_size", "save_every_steps"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         if self.image_size < 16:

@@ -45,12 +45,28 @@ class FolderDataset(Dataset):
         raise RuntimeError("no image in the dataset can be decoded")  # scan guarantees this cannot happen
 
 
+class ResumableSampler(DistributedSampler):
+    """DistributedSampler that can start part-way into an epoch: set ``skip`` to the number of this rank's
+    samples already trained on (the order of an epoch depends only on the seed and the epoch)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.skip = 0
+
+    def __iter__(self):
+        return iter(list(super().__iter__())[self.skip:])
+
+    def __len__(self) -> int:
+        return super().__len__() - self.skip
+
+
 def training_loader(
     dataset: Dataset, batch_size: int, workers: int, rank: int, world_size: int, seed: int, pin_memory: bool
 ) -> DataLoader:
     """Shuffled loader over this rank's share of ``dataset``; ``batch_size`` is per process; drops the last
-    incomplete batch (MoCo's queue needs equal batches). Call ``loader.sampler.set_epoch(e)`` each epoch."""
-    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=True)
+    incomplete batch (MoCo's queue needs equal batches). Call ``loader.sampler.set_epoch(e)`` each epoch, and
+    set ``loader.sampler.skip`` to resume inside an epoch."""
+    sampler = ResumableSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=True)
     return DataLoader(
         dataset, batch_size=batch_size, sampler=sampler, num_workers=workers, pin_memory=pin_memory,
         drop_last=True, persistent_workers=False,

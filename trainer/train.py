@@ -221,14 +221,15 @@ def _train(cfg: TrainConfig, device: torch.device, resume, stop_at_epoch) -> Tra
     if device.type == "cuda":
         model = model.to(memory_format=torch.channels_last)
     optimizer = build_optimizer(cfg, model)
-    start_epoch, step = 0, 0
+    start_epoch, step, start_batch = 0, 0, 0
     if ckpt is not None:
         model.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])
-        start_epoch, step = ckpt["epoch"], ckpt["step"]
+        start_epoch, step, start_batch = ckpt["epoch"], ckpt["step"], ckpt.get("batch_in_epoch", 0)
         set_rng_state(ckpt["rng"])
         if is_main:
-            LOG.info("resuming %s from epoch %d (step %d)", run_dir, start_epoch, step)
+            LOG.info("resuming %s from epoch %d, batch %d (step %d)", run_dir, start_epoch + 1 if start_batch else start_epoch,
+                     start_batch, step)
             _truncate_metrics(run_dir / METRICS, step)
     if world > 1 and cfg.moco_version == 3 and device.type == "cuda":
         # v3 normalises over the global batch (SyncBN, as in the paper); torch's SyncBN has no CPU kernel, so
@@ -247,6 +248,8 @@ def _train(cfg: TrainConfig, device: torch.device, resume, stop_at_epoch) -> Tra
     dataset = FolderDataset(images, build_transform(cfg))
     loader = training_loader(dataset, per_process_batch, cfg.workers, rank, world, cfg.seed, device.type == "cuda")
     steps_per_epoch = len(loader)
+    if start_batch >= steps_per_epoch:  # interrupted after the last batch of an epoch: that epoch is done
+        start_epoch, start_batch = start_epoch + 1, 0
     skipped = {rel: reason for rel, reason in images.skipped}
     if is_main:
         (run_dir / CONFIG).write_text(cfg.to_json() + "\n")
@@ -268,38 +271,51 @@ def _train(cfg: TrainConfig, device: torch.device, resume, stop_at_epoch) -> Tra
         seed = _epoch_seed(cfg.seed, epoch, rank)
         seed_everything(seed)
         loader.sampler.set_epoch(epoch)
+        first_batch = start_batch if epoch == start_epoch else 0  # resuming inside an epoch: same order, rest of it
+        loader.sampler.skip = first_batch * per_process_batch
         # the bar is for terminals (disable=None: off when stderr is not a TTY); logs get one line per epoch
         bar = tqdm(loader, desc=f"epoch {epoch + 1}/{cfg.epochs}", disable=None if is_main else True, leave=False,
                    dynamic_ncols=True)
         tic, seen, losses = time.perf_counter(), 0, []
-        for (x1, x2), _, index, ok in bar:
-            if not ok.all():
-                for i in index[~ok].tolist():
-                    skipped.setdefault(images.paths[i], "could not be decoded during training")
-            lr = lr_at(cfg, step, steps_per_epoch)
-            for group in optimizer.param_groups:
-                group["lr"] = lr * group.get("lr_mult", 1.0)
-            m = key_momentum_at(cfg, step, steps_per_epoch)
-            x1 = x1.to(device, non_blocking=True)
-            x2 = x2.to(device, non_blocking=True)
-            if device.type == "cuda":
-                x1 = x1.contiguous(memory_format=torch.channels_last)
-                x2 = x2.contiguous(memory_format=torch.channels_last)
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
-                loss = ddp_model(x1, x2, m)
-            if not torch.isfinite(loss):
-                raise ConfigError(f"loss became {loss.item()} at step {step}; lower --lr or disable --amp")
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            step += 1
-            seen += cfg.batch_size
-            losses.append(loss.item())
-            images_per_s = seen / (time.perf_counter() - tic)
-            bar.set_postfix(loss=f"{losses[-1]:.3f}", lr=f"{lr:.4f}", img_s=f"{images_per_s:.0f}")
-            if is_main and step % cfg.log_every == 0:
-                _append_jsonl(run_dir / METRICS, {"kind": "step", "epoch": epoch, "step": step, "loss": losses[-1],
-                                                  "lr": lr, "momentum": m, "images_per_s": images_per_s})
+        done = first_batch  # batches of this epoch whose optimizer step is complete
+        try:
+            for batch_index, ((x1, x2), _, index, ok) in enumerate(bar, start=first_batch):
+                if not ok.all():
+                    for i in index[~ok].tolist():
+                        skipped.setdefault(images.paths[i], "could not be decoded during training")
+                lr = lr_at(cfg, step, steps_per_epoch)
+                for group in optimizer.param_groups:
+                    group["lr"] = lr * group.get("lr_mult", 1.0)
+                m = key_momentum_at(cfg, step, steps_per_epoch)
+                x1 = x1.to(device, non_blocking=True)
+                x2 = x2.to(device, non_blocking=True)
+                if device.type == "cuda":
+                    x1 = x1.contiguous(memory_format=torch.channels_last)
+                    x2 = x2.contiguous(memory_format=torch.channels_last)
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
+                    loss = ddp_model(x1, x2, m)
+                if not torch.isfinite(loss):
+                    raise ConfigError(f"loss became {loss.item()} at step {step}; lower --lr or disable --amp")
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+                step += 1
+                done = batch_index + 1
+                seen += cfg.batch_size
+                losses.append(loss.item())
+                images_per_s = seen / (time.perf_counter() - tic)
+                bar.set_postfix(loss=f"{losses[-1]:.3f}", lr=f"{lr:.4f}", img_s=f"{images_per_s:.0f}")
+                if is_main and step % cfg.log_every == 0:
+                    _append_jsonl(run_dir / METRICS, {"kind": "step", "epoch": epoch, "step": step, "loss": losses[-1],
+                                                      "lr": lr, "momentum": m, "images_per_s": images_per_s})
+                if cfg.save_every_steps and step % cfg.save_every_steps == 0 and done < steps_per_epoch and is_main:
+                    _save(run_dir, cfg, model, optimizer, epoch, step, batch_in_epoch=done)
+        except KeyboardInterrupt:
+            if is_main and world == 1 and done > first_batch:  # under DDP other ranks may be inside a collective
+                _save(run_dir, cfg, model, optimizer, epoch, step, batch_in_epoch=done)
+                LOG.warning("interrupted: saved %s at epoch %d, batch %d (step %d)", run_dir / LAST, epoch + 1,
+                            done, step)
+            raise
         bar.close()
         loss_value = float(dist.all_reduce_mean(torch.tensor(float(np.mean(losses)))).item())
         epoch_time = time.perf_counter() - tic
@@ -326,7 +342,8 @@ def _train(cfg: TrainConfig, device: torch.device, resume, stop_at_epoch) -> Tra
     return TrainResult(run_dir, max(start_epoch, end_epoch), step, loss_value, knn_acc, len(images), len(skipped), model)
 
 
-def _save(run_dir: Path, cfg: TrainConfig, model, optimizer, epoch: int, step: int) -> None:
+def _save(run_dir: Path, cfg: TrainConfig, model, optimizer, epoch: int, step: int, batch_in_epoch: int = 0) -> None:
+    """Write checkpoint_last.pt: ``epoch`` epochs complete plus ``batch_in_epoch`` batches of the next one."""
     save_atomic({
         "format": CHECKPOINT_FORMAT,
         "format_version": CHECKPOINT_VERSION,
@@ -335,6 +352,7 @@ def _save(run_dir: Path, cfg: TrainConfig, model, optimizer, epoch: int, step: i
         "model": model.state_dict(),
         "optimizer": optimizer.state_dict(),
         "epoch": epoch,
+        "batch_in_epoch": batch_in_epoch,
         "step": step,
         "rng": rng_state(),
         "torch_version": torch.__version__,
