@@ -34,21 +34,26 @@ class LARS(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                d = p.grad
-                if not group["lars_exclude"]:
-                    d = d.add(p, alpha=group["weight_decay"])
-                    param_norm, update_norm = torch.linalg.vector_norm(p), torch.linalg.vector_norm(d)
-                    one = torch.ones_like(param_norm)
-                    trust = torch.where((param_norm > 0) & (update_norm > 0),
-                                        group["trust_coefficient"] * param_norm / update_norm, one)
-                    d = d.mul(trust)
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            # multi-tensor (foreach) kernels: one launch per operation for the whole group, not one per parameter
+            updates = [p.grad for p in params]
+            if not group["lars_exclude"]:
+                updates = torch._foreach_add(updates, params, alpha=group["weight_decay"])
+                param_norms = torch.stack(torch._foreach_norm(params))
+                update_norms = torch.stack(torch._foreach_norm(updates))
+                trust = torch.where((param_norms > 0) & (update_norms > 0),
+                                    group["trust_coefficient"] * param_norms / update_norms,
+                                    torch.ones_like(param_norms))
+                torch._foreach_mul_(updates, list(trust.unbind()))
+            mus = []
+            for p in params:
                 state = self.state[p]
                 if "mu" not in state:
                     state["mu"] = torch.zeros_like(p)
-                mu = state["mu"]
-                mu.mul_(group["momentum"]).add_(d)
-                p.add_(mu, alpha=-group["lr"])
+                mus.append(state["mu"])
+            torch._foreach_mul_(mus, group["momentum"])
+            torch._foreach_add_(mus, updates)
+            torch._foreach_add_(params, mus, alpha=-group["lr"])
         return loss

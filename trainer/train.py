@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from trainer import dist
-from trainer.build import build_model, build_optimizer, build_transform, key_momentum_at, lr_at
+from trainer.build import build_model, build_optimizer, build_transform, key_momentum_at, lr_at, memory_format
 from trainer.checkpoint import (CHECKPOINT_FORMAT, CHECKPOINT_VERSION, LAST, load_checkpoint, rng_state,
                                 save_atomic, set_rng_state)
 from trainer.config import RESUME_MUST_MATCH, TrainConfig
@@ -192,7 +192,8 @@ def _train(cfg: TrainConfig, device: torch.device, resume, stop_at_epoch) -> Tra
             f"{cfg.data_dir} has {len(images)} readable images, fewer than one batch ({cfg.batch_size}); "
             f"add images or lower --batch-size"
         )
-    bn_splits = resolve_bn_splits(cfg.bn_splits, per_process_batch, world)
+    # split-BN is v2's stand-in for shuffle-BN; v3 compares in-batch keys from the momentum encoder and needs none
+    bn_splits = resolve_bn_splits(cfg.bn_splits, per_process_batch, world) if cfg.moco_version == 2 else 1
     if cfg.moco_version == 2:
         cfg = cfg.replace(queue_size=fit_queue_to_data(cfg.queue_size, cfg.batch_size, len(images)))
     knn_folder = _find_knn_folder(cfg, len(images.classes) >= 2 and None not in images.labels)
@@ -217,9 +218,10 @@ def _train(cfg: TrainConfig, device: torch.device, resume, stop_at_epoch) -> Tra
 
     # ---- model, optimizer, state ---------------------------------------------------------------------
     seed_everything(cfg.seed)
-    model = build_model(cfg, bn_splits).to(device)
+    layout = memory_format(cfg)
+    model = build_model(cfg, bn_splits).to(device, memory_format=layout)
     if device.type == "cuda":
-        model = model.to(memory_format=torch.channels_last)
+        torch.backends.cudnn.benchmark = True  # fixed input shapes: let cuDNN time and keep its fastest kernels
     optimizer = build_optimizer(cfg, model)
     start_epoch, step, start_batch = 0, 0, 0
     if ckpt is not None:
@@ -287,11 +289,8 @@ def _train(cfg: TrainConfig, device: torch.device, resume, stop_at_epoch) -> Tra
                 for group in optimizer.param_groups:
                     group["lr"] = lr * group.get("lr_mult", 1.0)
                 m = key_momentum_at(cfg, step, steps_per_epoch)
-                x1 = x1.to(device, non_blocking=True)
-                x2 = x2.to(device, non_blocking=True)
-                if device.type == "cuda":
-                    x1 = x1.contiguous(memory_format=torch.channels_last)
-                    x2 = x2.contiguous(memory_format=torch.channels_last)
+                x1 = x1.to(device, non_blocking=True, memory_format=layout)
+                x2 = x2.to(device, non_blocking=True, memory_format=layout)
                 with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
                     loss = ddp_model(x1, x2, m)
                 if not torch.isfinite(loss):
