@@ -247,3 +247,18 @@ def test_train_v3_vit__resume_gives_same_parameters_as_straight_run(shapes_dir, 
     assert a["config"]["temperature"] == 0.2 and a["config"]["warmup_epochs"] == pytest.approx(2 * 40 / 300)
     for name, tensor in a["model"].items():
         assert torch.equal(tensor, b["model"][name]), name
+
+
+def test_small_batch_advice__only_for_v3_left_at_the_paper_lr_with_a_small_batch():
+    from app.cli import build_parser
+    from app.cmd_train import small_batch_advice
+
+    def advice(*options):
+        return small_batch_advice(build_parser().parse_args(["train", "data", "--out", "run", *options]))
+
+    resnet = advice("--moco-version", "3", "--arch", "resnet18", "--batch-size", "32")
+    assert "--batch-size 32" in resnet and "--lr 4.8 --temperature 0.2 --warmup-epochs 1" in resnet
+    assert "--lr 3e-3" in advice("--moco-version", "3", "--arch", "vit_tiny", "--batch-size", "64")
+    assert advice("--moco-version", "3", "--arch", "resnet18", "--batch-size", "32", "--lr", "4.8") is None
+    assert advice("--moco-version", "3", "--arch", "resnet18", "--batch-size", "1024") is None
+    assert advice("--moco-version", "2", "--arch", "resnet18", "--batch-size", "32") is None
