@@ -24,7 +24,8 @@ import pytest
 
 from trainer.demo_data import write_demo_dataset
 
-pytestmark = pytest.mark.slow
+# the module fixture trains for ~12 minutes on two cores: above the suite's 900 s per-test limit on a slower machine
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
 
 REPO = Path(__file__).resolve().parent.parent
 COMMON = ["--image-size", "32", "--epochs", "60", "--workers", "0", "--device", "cpu", "--seed", "0",
