@@ -11,7 +11,9 @@ Writes a JSON of every curve and a plot beside it (same name, ``.png``).
     python bench/learning_curves.py --recipes v3_r18_lr4.8_t0.2 --device cpu --out /tmp/curves.json
 
 The recipes share ``COMMON`` (32 px, batch 32, a 60-epoch schedule of 50 steps per epoch stopped at epoch 30):
-a 1,500-step look at how soon each recipe's features beat the random-init baseline (the step-0 point).
+a 1,500-step look at how soon each recipe's features beat the random-init baseline (the step-0 point). A recipe's
+own options, then ``--extra``, come after ``COMMON`` on the command line, so they override it (argparse keeps the
+last value). Results of the three GPU rounds and of the CPU runs are in ``bench/results/learning_curves_*``.
 """
 from __future__ import annotations
 
