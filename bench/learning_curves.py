@@ -32,49 +32,43 @@ sys.path.insert(0, str(REPO))
 COMMON = ["--image-size", "32", "--batch-size", "32", "--epochs", "60", "--stop-at-epoch", "30", "--seed", "0", "--knn-every", "2",
           "--save-every", "1000", "--log-every", "10"]
 R18 = ["--arch", "resnet18", "--stem", "imagenet"]
+# the v2 recipe of tests/test_learning.py (50.5% -> 87.6% k-NN after 1,400 CPU steps); variants append overrides
+V2 = ["--moco-version", "2", *R18, "--lr", "0.48", "--queue-size", "256", "--momentum", "0.99", "--temperature", "0.2",
+      "--bn-splits", "2"]
+V3_R18 = ["--moco-version", "3", *R18]
+V3_R18_FAST = [*V3_R18, "--lr", "4.8", "--temperature", "0.2", "--warmup-epochs", "1"]  # the v3 ResNet test's recipe
 VIT8 = ["--moco-version", "3", "--arch", "vit_tiny", "--patch-size", "8"]
+VIT8_FAST = [*VIT8, "--lr", "3e-3", "--warmup-epochs", "1"]  # the ViT test's recipe (batch 64 there)
 RECIPES: dict[str, list[str]] = {
-    # the recipe of tests/test_learning.py (v2): 50.5% -> 64.2% at step 1000 on CPU
-    "v2_r18": ["--moco-version", "2", *R18, "--lr", "0.48", "--queue-size", "256", "--momentum", "0.99",
-               "--temperature", "0.2", "--bn-splits", "2"],
-    "v3_r18_paper": ["--moco-version", "3", *R18],  # LARS lr 0.6 x 32/256, T 1.0
-    "v3_r18_t0.2": ["--moco-version", "3", *R18, "--temperature", "0.2"],
-    "v3_r18_lr4.8": ["--moco-version", "3", *R18, "--lr", "4.8"],
-    "v3_r18_lr4.8_t0.2": ["--moco-version", "3", *R18, "--lr", "4.8", "--temperature", "0.2"],
-    "v3_r18_lr2.4_t0.5": ["--moco-version", "3", *R18, "--lr", "2.4", "--temperature", "0.5"],
-    "v3_vit8_paper": [*VIT8],  # AdamW lr 1.5e-4 x 32/256, T 0.2
+    "v2_r18": V2,
+    "v3_r18_paper": V3_R18,  # LARS lr 0.6 x 32/256, T 1.0
+    "v3_r18_t0.2": [*V3_R18, "--temperature", "0.2"],
+    "v3_r18_lr4.8": [*V3_R18, "--lr", "4.8"],
+    "v3_r18_lr4.8_t0.2": [*V3_R18, "--lr", "4.8", "--temperature", "0.2"],
+    "v3_r18_lr2.4_t0.5": [*V3_R18, "--lr", "2.4", "--temperature", "0.5"],
+    "v3_vit8_paper": VIT8,  # AdamW lr 1.5e-4 x 32/256, T 0.2
     "v3_vit8_lr1.5e-3": [*VIT8, "--lr", "1.5e-3"],
     "v3_vit8_lr6e-3": [*VIT8, "--lr", "6e-3"],
-    "v3_vit4_lr1.5e-3": ["--moco-version", "3", "--arch", "vit_tiny", "--patch-size", "4", "--lr", "1.5e-3"],
+    "v3_vit4_lr1.5e-3": [*VIT8, "--patch-size", "4", "--lr", "1.5e-3"],
     # second round: a one-epoch warm-up (50 steps instead of 300-400), to learn within fewer CPU steps
-    "v2_r18_lr0.96": ["--moco-version", "2", *R18, "--lr", "0.96", "--queue-size", "256", "--momentum", "0.99",
-                      "--temperature", "0.2", "--bn-splits", "2"],
-    "v2_r18_lr1.92": ["--moco-version", "2", *R18, "--lr", "1.92", "--queue-size", "256", "--momentum", "0.99",
-                      "--temperature", "0.2", "--bn-splits", "2"],
-    "v3_r18_lr4.8_t0.2_w1": ["--moco-version", "3", *R18, "--lr", "4.8", "--temperature", "0.2", "--warmup-epochs", "1"],
-    "v3_r18_lr9.6_t0.2_w1": ["--moco-version", "3", *R18, "--lr", "9.6", "--temperature", "0.2", "--warmup-epochs", "1"],
-    "v3_r18_lr4.8_t0.1_w1": ["--moco-version", "3", *R18, "--lr", "4.8", "--temperature", "0.1", "--warmup-epochs", "1"],
-    "v3_vit8_lr3e-3_w1": [*VIT8, "--lr", "3e-3", "--warmup-epochs", "1"],
-    "v3_vit8_lr6e-3_w1": [*VIT8, "--lr", "6e-3", "--warmup-epochs", "1"],
-    "v3_vit8_lr1.2e-2_w1": [*VIT8, "--lr", "1.2e-2", "--warmup-epochs", "1"],
+    "v2_r18_lr0.96": [*V2, "--lr", "0.96"],
+    "v2_r18_lr1.92": [*V2, "--lr", "1.92"],
+    "v3_r18_lr4.8_t0.2_w1": V3_R18_FAST,
+    "v3_r18_lr9.6_t0.2_w1": [*V3_R18_FAST, "--lr", "9.6"],
+    "v3_r18_lr4.8_t0.1_w1": [*V3_R18_FAST, "--temperature", "0.1"],
+    "v3_vit8_lr3e-3_w1": VIT8_FAST,
+    "v3_vit8_lr6e-3_w1": [*VIT8_FAST, "--lr", "6e-3"],
+    "v3_vit8_lr1.2e-2_w1": [*VIT8_FAST, "--lr", "1.2e-2"],
     # third round: larger batches (cheaper per image on a CPU) and a second seed (how much the curves vary)
-    "v2_r18_seed1": ["--moco-version", "2", *R18, "--lr", "0.48", "--queue-size", "256", "--momentum", "0.99",
-                     "--temperature", "0.2", "--bn-splits", "2", "--seed", "1", "--stop-at-epoch", "16"],
-    "v2_r18_bs64": ["--moco-version", "2", *R18, "--lr", "0.48", "--queue-size", "256", "--momentum", "0.99",
-                    "--temperature", "0.2", "--bn-splits", "2", "--batch-size", "64", "--stop-at-epoch", "20"],
-    "v2_r18_bs128": ["--moco-version", "2", *R18, "--lr", "0.48", "--queue-size", "768", "--momentum", "0.99",
-                     "--temperature", "0.2", "--bn-splits", "4", "--batch-size", "128", "--stop-at-epoch", "40"],
-    "v3_r18_lr4.8_t0.2_w1_seed1": ["--moco-version", "3", *R18, "--lr", "4.8", "--temperature", "0.2",
-                                   "--warmup-epochs", "1", "--seed", "1", "--stop-at-epoch", "16"],
-    "v3_r18_lr4.8_t0.2_w1_bs64": ["--moco-version", "3", *R18, "--lr", "4.8", "--temperature", "0.2",
-                                  "--warmup-epochs", "1", "--batch-size", "64", "--stop-at-epoch", "20"],
-    "v3_r18_lr2.4_t0.2_w1_bs64": ["--moco-version", "3", *R18, "--lr", "2.4", "--temperature", "0.2",
-                                  "--warmup-epochs", "1", "--batch-size", "64", "--stop-at-epoch", "20"],
-    "v3_r18_lr4.8_t0.2_w1_bs128": ["--moco-version", "3", *R18, "--lr", "4.8", "--temperature", "0.2",
-                                   "--warmup-epochs", "1", "--batch-size", "128", "--stop-at-epoch", "40"],
-    "v3_vit8_lr3e-3_w1_seed1": [*VIT8, "--lr", "3e-3", "--warmup-epochs", "1", "--seed", "1", "--stop-at-epoch", "16"],
-    "v3_vit8_lr3e-3_w1_bs64": [*VIT8, "--lr", "3e-3", "--warmup-epochs", "1", "--batch-size", "64",
-                               "--stop-at-epoch", "20"],
+    "v2_r18_seed1": [*V2, "--seed", "1", "--stop-at-epoch", "16"],
+    "v2_r18_bs64": [*V2, "--batch-size", "64", "--stop-at-epoch", "20"],
+    "v2_r18_bs128": [*V2, "--queue-size", "768", "--bn-splits", "4", "--batch-size", "128", "--stop-at-epoch", "40"],
+    "v3_r18_lr4.8_t0.2_w1_seed1": [*V3_R18_FAST, "--seed", "1", "--stop-at-epoch", "16"],
+    "v3_r18_lr4.8_t0.2_w1_bs64": [*V3_R18_FAST, "--batch-size", "64", "--stop-at-epoch", "20"],
+    "v3_r18_lr2.4_t0.2_w1_bs64": [*V3_R18_FAST, "--lr", "2.4", "--batch-size", "64", "--stop-at-epoch", "20"],
+    "v3_r18_lr4.8_t0.2_w1_bs128": [*V3_R18_FAST, "--batch-size", "128", "--stop-at-epoch", "40"],
+    "v3_vit8_lr3e-3_w1_seed1": [*VIT8_FAST, "--seed", "1", "--stop-at-epoch", "16"],
+    "v3_vit8_lr3e-3_w1_bs64": [*VIT8_FAST, "--batch-size", "64", "--stop-at-epoch", "20"],
 }
 
 
