@@ -1,6 +1,6 @@
 """The ``moco`` console command: argparse subcommands that build typed configs and call the packages.
 
-Every :class:`~trainer.errors.MocoError` becomes ``moco: error: <one line>`` on stderr and its exit code;
+Every :class:`~contracts.errors.MocoError` becomes ``moco: error: <one line>`` on stderr and its exit code;
 Ctrl-C exits with 130 and says how to continue. Heavy imports (torch) happen inside the subcommands, so
 ``moco --help`` is instant.
 """
@@ -11,7 +11,7 @@ import importlib
 import logging
 import sys
 
-from trainer.errors import MocoError
+from contracts.errors import MocoError
 
 # One module per subcommand, each with ``register(subparsers)``; add new commands here.
 COMMAND_MODULES = ("app.cmd_train", "app.cmd_export", "app.cmd_eval", "app.cmd_index", "app.cmd_demo", "app.cmd_serve")

@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from contracts.knn import EVAL_KS, KNN_TEMPERATURE
+
 EPILOG_EVAL = """\
 examples:
   moco eval knn --train shapes/train --test shapes/val runs/shapes
@@ -36,15 +38,20 @@ def default_out(model: str, protocol: str) -> Path:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from trainer.evaluate import LinearProbeConfig, evaluate, format_table, write_results
+    from trainer.evaluate import (
+        LinearProbeConfig,
+        evaluate,
+        format_table,
+        write_results,
+    )
 
     embedder = open_model(args.model, args.device, args.batch_size, args.workers)
     probe = None
     if args.protocol == "linear":
         probe = LinearProbeConfig(epochs=args.epochs, batch_size=args.probe_batch_size, lr=args.lr,
                                   weight_decay=args.weight_decay, seed=args.seed)
-    doc = evaluate(args.protocol, embedder, args.train, args.test, ks=tuple(getattr(args, "k", (20, 200))),
-                   temperature=getattr(args, "temperature", 0.07), probe=probe)
+    doc = evaluate(args.protocol, embedder, args.train, args.test, ks=tuple(getattr(args, "k", EVAL_KS)),
+                   temperature=getattr(args, "temperature", KNN_TEMPERATURE), probe=probe)
     out = write_results(doc, args.out or default_out(args.model, args.protocol))
     print(format_table(doc))
     print(f"wrote {out}")
@@ -92,15 +99,16 @@ def register(sub) -> None:
                        epilog=EPILOG_EVAL, formatter_class=argparse.RawDescriptionHelpFormatter)
     protocols = p.add_subparsers(dest="protocol", metavar="PROTOCOL", required=True)
 
-    knn = protocols.add_parser("knn", help="weighted k-NN on cosine similarity (k=20 and 200, T=0.07)",
+    knn = protocols.add_parser("knn", help=f"weighted k-NN on cosine similarity (k={' and '.join(map(str, EVAL_KS))}, T={KNN_TEMPERATURE})",
                                description="Classify each test image by a vote of its k most similar training "
                                            "images (cosine similarity, votes weighted exp(similarity/T)).",
                                epilog=EPILOG_EVAL, formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_common(knn)
-    knn.add_argument("--k", type=_k_list, default=[20, 200], metavar="K[,K...]",
-                     help="neighbour counts to report, comma-separated (default 20,200; clipped to the training "
-                          "images)")
-    knn.add_argument("--temperature", type=float, default=0.07, help="vote temperature T (default 0.07)")
+    knn.add_argument("--k", type=_k_list, default=list(EVAL_KS), metavar="K[,K...]",
+                     help=f"neighbour counts to report, comma-separated (default {','.join(map(str, EVAL_KS))}; "
+                          "clipped to the training images)")
+    knn.add_argument("--temperature", type=float, default=KNN_TEMPERATURE,
+                     help=f"vote temperature T (default {KNN_TEMPERATURE})")
     knn.set_defaults(func=cmd_eval)
 
     linear = protocols.add_parser("linear", help="linear classifier trained on frozen features",

@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from contracts.knn import KNN_K, KNN_TEMPERATURE, SEARCH_K
+
 EPILOG_SERVE = """\
 The page at / is the web app (upload, paste or webcam; click a result to search from it). The JSON API:
   curl -F image=@query.jpg 'http://127.0.0.1:7860/api/search?k=10'
@@ -26,7 +28,7 @@ examples:
 
 EPILOG_CLASSIFY = """\
 The k nearest labeled images vote for their label with weight exp(similarity / temperature), as in the
-k-NN evaluation of the MoCo papers (k=20, T=0.07). Labels are the first-level subfolders of the indexed folder.
+k-NN evaluation of the MoCo papers (k={k}, T={t}). Labels are the first-level subfolders of the indexed folder.
 
 examples:
   moco classify index/ query.jpg
@@ -98,9 +100,6 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="encoder CPU threads (default: all usable cores)")
 
 
-# No serve import here (it loads FAISS, and `moco --help` must stay instant); a test keeps these equal to
-# serve.engine's DEFAULT_K / DEFAULT_CLASSIFY_K / DEFAULT_TEMPERATURE.
-DEFAULT_K, DEFAULT_CLASSIFY_K, DEFAULT_TEMPERATURE = 10, 20, 0.07
 
 
 def register(sub) -> None:
@@ -123,18 +122,18 @@ def register(sub) -> None:
                                    "(cosine similarity), best first.", epilog=EPILOG_SEARCH, formatter_class=fmt)
     _common(p)
     p.add_argument("image", metavar="IMAGE", help="the query image file")
-    p.add_argument("-k", type=int, default=DEFAULT_K, help=f"how many neighbours (default {DEFAULT_K})")
+    p.add_argument("-k", type=int, default=SEARCH_K, help=f"how many neighbours (default {SEARCH_K})")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=cmd_search)
 
     p = sub.add_parser("classify", help="predict an image's label from its labeled nearest neighbours",
                        description="Predict IMAGE's label by a weighted vote of its k nearest labeled indexed "
-                                   "images.", epilog=EPILOG_CLASSIFY, formatter_class=fmt)
+                                   "images.", epilog=EPILOG_CLASSIFY.format(k=KNN_K, t=KNN_TEMPERATURE), formatter_class=fmt)
     _common(p)
     p.add_argument("image", metavar="IMAGE", help="the image to classify")
-    p.add_argument("-k", type=int, default=DEFAULT_CLASSIFY_K,
-                   help=f"neighbours that vote (default {DEFAULT_CLASSIFY_K})")
-    p.add_argument("--temperature", type=float, default=DEFAULT_TEMPERATURE,
-                   help=f"vote weight exp(similarity / T) (default {DEFAULT_TEMPERATURE})")
+    p.add_argument("-k", type=int, default=KNN_K,
+                   help=f"neighbours that vote (default {KNN_K})")
+    p.add_argument("--temperature", type=float, default=KNN_TEMPERATURE,
+                   help=f"vote weight exp(similarity / T) (default {KNN_TEMPERATURE})")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.set_defaults(func=cmd_classify)

@@ -13,8 +13,9 @@ from pathlib import Path
 import gradio as gr
 from fastapi import FastAPI
 
-from serve.engine import DEFAULT_K, DEFAULT_TEMPERATURE, SearchEngine, knn_vote
-from trainer.errors import MocoError
+from contracts.errors import MocoError
+from contracts.knn import KNN_TEMPERATURE, SEARCH_K
+from serve.engine import SearchEngine, knn_vote
 
 LOG = logging.getLogger(__name__)
 
@@ -35,7 +36,7 @@ def _gallery(engine: SearchEngine, hits: list[dict]) -> list[tuple[str, str]]:
 def _label_chart(hits: list[dict]) -> dict[str, float]:
     import numpy as np
 
-    return knn_vote(np.array([h["score"] for h in hits]), [h.get("label") for h in hits], DEFAULT_TEMPERATURE)
+    return knn_vote(np.array([h["score"] for h in hits]), [h.get("label") for h in hits], KNN_TEMPERATURE)
 
 
 def stats_markdown(stats: dict) -> str:
@@ -105,7 +106,7 @@ def build_ui(engine: SearchEngine) -> gr.Blocks:
             with gr.Column(scale=1):
                 image = gr.Image(type="filepath", sources=["upload", "clipboard", "webcam"], label="Query image",
                                  elem_id="query-image")
-                k = gr.Slider(1, UI_MAX_K, value=DEFAULT_K, step=1, label="k (neighbours)")
+                k = gr.Slider(1, UI_MAX_K, value=SEARCH_K, step=1, label="k (neighbours)")
                 button = gr.Button("Search", variant="primary", elem_id="search-button")
                 label = gr.Label(num_top_classes=5, label="k-NN prediction", elem_id="prediction")
                 with gr.Row():

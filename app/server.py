@@ -11,8 +11,8 @@ import time
 
 from fastapi import FastAPI
 
+from contracts.errors import ConfigError
 from serve.engine import SearchEngine
-from trainer.errors import ConfigError
 
 LOG = logging.getLogger(__name__)
 

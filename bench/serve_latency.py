@@ -38,7 +38,12 @@ def build_bench_index(work: Path, corpus: int, device: str) -> tuple[Path, Path]
 
     from indexer.build import IndexConfig, build_index_dir
     from trainer.build import build_model
-    from trainer.checkpoint import CHECKPOINT_FORMAT, CHECKPOINT_VERSION, LAST, save_atomic
+    from trainer.checkpoint import (
+        CHECKPOINT_FORMAT,
+        CHECKPOINT_VERSION,
+        LAST,
+        save_atomic,
+    )
     from trainer.config import TrainConfig
     from trainer.demo_data import CLASSES, write_demo_dataset
     from trainer.export import export_encoder

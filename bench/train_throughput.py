@@ -24,9 +24,16 @@ from pathlib import Path
 
 import torch
 
-from trainer.build import build_model, build_optimizer, key_momentum_at, lr_at, memory_format
+from trainer.build import (
+    build_model,
+    build_optimizer,
+    key_momentum_at,
+    lr_at,
+    memory_format,
+)
 from trainer.config import VITS, TrainConfig
-from trainer.train import resolve_bn_splits, resolve_device
+from trainer.device import resolve_device
+from trainer.train import resolve_bn_splits
 
 
 def measure(cfg: TrainConfig, steps: int, warmup: int) -> dict:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -24,21 +23,27 @@ from pathlib import Path
 
 import numpy as np
 
+from contracts.atomic import link_or_copy_atomic, output_errors, write_json_atomic
+from contracts.errors import ArtifactError, ConfigError, DataError, OutputError
 from indexer import faiss_index
 from indexer.decode import decode_files
 from indexer.encoder import OnnxEncoder, available_cores
-from indexer.layout import (INDEX_FORMAT, INDEX_FORMAT_VERSION, IndexLayout, generation_name, generation_number,
-                            new_staging_dir, output_errors, publish, read_manifest, remove_stale_staging,
-                            utc_now, write_json_atomic)
+from indexer.layout import (
+    IndexLayout,
+    generation_name,
+    generation_number,
+    new_staging_dir,
+    publish,
+    remove_stale_staging,
+    utc_now,
+)
+from indexer.manifest import IndexManifest
 from indexer.metadata import MetadataStore, copy_store
 from indexer.scan import ScanEntry, read_labels_csv, scan_folder
 from indexer.shards import WorkShards
 from indexer.vectors import BlockWriter, block_exists, live_blocks
-from trainer.errors import ArtifactError, ConfigError, DataError, OutputError
 
 LOG = logging.getLogger(__name__)
-
-REPORT_FILE = "report.json"  # INDEX_DIR/report.json: what the last run did (also copied into its generation)
 
 
 def default_workers() -> int:
@@ -160,9 +165,12 @@ def _build_locked(cfg: IndexConfig, layout: IndexLayout, image_root: Path, label
     t_scan = time.perf_counter() - tic
     encoder = OnnxEncoder(cfg.model, device=cfg.device)
     previous = layout.current()
-    prev_manifest = read_manifest(layout.generation(previous).manifest) if previous else None
+    prev_manifest = IndexManifest.read(layout.generation(previous).manifest) if previous else None
     if prev_manifest is not None and not cfg.rebuild:
-        _check_compatible(prev_manifest, encoder, image_root, layout)
+        prev_manifest.check_encoder(encoder, str(layout.root), "pass --rebuild to re-embed everything with it")
+        if Path(prev_manifest.image_root) != image_root:
+            raise ArtifactError(f"{layout.root} indexes {prev_manifest.image_root}, not {image_root}; use another "
+                                "--out, or pass --rebuild to index this folder instead")
     base = prev_manifest if not cfg.rebuild else None
     prev_store = MetadataStore(layout.generation(previous).meta) if base is not None else None
     try:
@@ -192,45 +200,45 @@ def _build_locked(cfg: IndexConfig, layout: IndexLayout, image_root: Path, label
                         f"{skipped_list[0]['path']}: {skipped_list[0]['reason']})")
     factory_now = None
     if base is not None and not plan.todo and not plan.removed_ids:
-        factory_now = faiss_index.choose_factory(cfg.index_type, base["count"], encoder.embedding_dim)
+        factory_now = faiss_index.choose_factory(cfg.index_type, base.count, encoder.embedding_dim)
     prev_skipped = None
     if base is not None:
         with MetadataStore(layout.generation(previous).meta) as store:
             prev_skipped = store.skipped()
-    if factory_now is not None and factory_now == base["factory"] and prev_skipped == plan.skipped:
+    if factory_now is not None and factory_now == base.factory and prev_skipped == plan.skipped:
         LOG.info("nothing changed in %s; generation %s stays live", image_root, previous)
         shards.clear()
         result = IndexResult(
-            index_dir=str(layout.root), generation=previous, published=False, count=base["count"], added=0,
-            updated=0, removed=0, unchanged=plan.unchanged, duplicates=base.get("duplicates", 0), embedded=0,
-            resumed=0, skipped=skipped_list, factory=base["factory"], recall_at_10=base.get("recall_at_10"),
-            search_params=base.get("search_params", {}),
-            timings={"scan": t_scan, "total": time.perf_counter() - t_start}, report_path=str(layout.root / REPORT_FILE))
-        write_json_atomic(layout.root / REPORT_FILE, asdict(result))
+            index_dir=str(layout.root), generation=previous, published=False, count=base.count, added=0,
+            updated=0, removed=0, unchanged=plan.unchanged, duplicates=base.duplicates, embedded=0,
+            resumed=0, skipped=skipped_list, factory=base.factory, recall_at_10=base.recall_at_10,
+            search_params=base.search_params,
+            timings={"scan": t_scan, "total": time.perf_counter() - t_start}, report_path=str(layout.report))
+        write_json_atomic(layout.report, asdict(result))
         return result
 
     tic = time.perf_counter()
     name = generation_name(generation_number(previous) + 1 if previous else 1)
     staging = new_staging_dir(layout)
-    store_path = staging / "meta.lmdb"
+    store_path = staging.meta
     if base is not None:
         with output_errors(store_path):
             copy_store(layout.generation(previous).meta, store_path)
     with MetadataStore(store_path, readonly=False) as store:
         if base is None and prev_manifest is not None:  # --rebuild: ids continue, never reused
-            store.set_next_id(prev_manifest.get("next_id", 0))
+            store.set_next_id(prev_manifest.next_id)
         old_ids = list(plan.removed_ids) + [plan.changed_ids[p] for p in sorted(plan.changed_ids)]
         store.remove_items(old_ids, name)
         next_id = store.next_id()
-        records, writer = [], BlockWriter(layout, name, len(readable), encoder.embedding_dim)
-        for i, e in enumerate(readable):
-            entry = shards.lookup(e.path, e.bytes, e.mtime_ns)
-            item_id = next_id + i
-            records.append({"id": item_id, "path": e.path, "label": e.label, "width": entry["width"],
-                            "height": entry["height"], "bytes": entry["bytes"], "sha256": entry["sha256"],
-                            "mtime": e.mtime_ns / 1e9, "mtime_ns": e.mtime_ns})
-            writer.append(item_id, shards.vector(e.path))
-        writer.close()
+        records = []
+        with BlockWriter(layout, name, len(readable), encoder.embedding_dim) as writer:
+            for i, e in enumerate(readable):
+                entry = shards.lookup(e.path, e.bytes, e.mtime_ns)
+                item_id = next_id + i
+                records.append({"id": item_id, "path": e.path, "label": e.label, "width": entry["width"],
+                                "height": entry["height"], "bytes": entry["bytes"], "sha256": entry["sha256"],
+                                "mtime": e.mtime_ns / 1e9, "mtime_ns": e.mtime_ns})
+                writer.append(item_id, shards.vector(e.path))
         store.add_items(records)
         store.replace_skipped(plan.skipped)
         live, label_counts, duplicates = [], {}, 0
@@ -241,7 +249,7 @@ def _build_locked(cfg: IndexConfig, layout: IndexLayout, image_root: Path, label
             duplicates += rec["duplicate_of"] is not None
         final_next_id = store.next_id()
         store.sync()
-    blocks = [b for b in (base.get("vector_blocks", []) if base else []) if block_exists(layout, b)]
+    blocks = [b for b in (base.vector_blocks if base else []) if block_exists(layout, b)]
     blocks += [name] if readable else []
     t_commit = time.perf_counter() - tic
 
@@ -250,28 +258,24 @@ def _build_locked(cfg: IndexConfig, layout: IndexLayout, image_root: Path, label
     factory = faiss_index.choose_factory(cfg.index_type, len(live_ids), encoder.embedding_dim)
     built = faiss_index.build_index(factory, encoder.embedding_dim, len(live_ids),
                                     live_blocks(layout, blocks, live_ids), target_recall=cfg.target_recall)
-    with output_errors(staging / "vectors.faiss"):
-        faiss_index.write_index(built.index, str(staging / "vectors.faiss"))
-        same_model = prev_manifest is not None and prev_manifest["model_sha256"] == encoder.sha256
-        _copy_encoder(encoder.path, staging / "encoder.onnx",
-                      layout.generation(previous).encoder if same_model else None)
+    with output_errors(staging.index):
+        faiss_index.write_index(built.index, str(staging.index))
+        same_model = prev_manifest is not None and prev_manifest.model_sha256 == encoder.sha256
+        _copy_encoder(encoder.path, staging.encoder, layout.generation(previous).encoder if same_model else None)
     t_index = time.perf_counter() - tic
 
     now = utc_now()
-    manifest = {
-        "format": INDEX_FORMAT, "format_version": INDEX_FORMAT_VERSION, "generation": name,
-        "created_at": base["created_at"] if base else now, "updated_at": now,
-        "model_sha256": encoder.sha256, "model": _model_summary(encoder), "embedding_dim": encoder.embedding_dim,
-        "metric": "inner_product", "normalized": True, "dtype": "float32",
-        "index_type": cfg.index_type, "factory": built.factory, "search_params": built.search_params,
-        "recall_at_10": built.recall_at_10, "exact": built.exact, "trained_on": built.trained_on,
-        "built_on_gpu": built.on_gpu, "count": int(len(live_ids)), "next_id": final_next_id,
-        "duplicates": duplicates, "skipped": len(plan.skipped), "labels": dict(sorted(label_counts.items())),
-        "image_root": str(image_root), "labels_csv": str(Path(cfg.labels_csv).absolute()) if cfg.labels_csv else None,
-        "vector_blocks": blocks,
-        "last_update": {"added": added, "updated": updated, "removed": removed, "unchanged": plan.unchanged},
-        "library_versions": _library_versions(),
-    }
+    manifest = IndexManifest(
+        generation=name, created_at=base.created_at if base else now, updated_at=now,
+        model_sha256=encoder.sha256, model=_model_summary(encoder), embedding_dim=encoder.embedding_dim,
+        index_type=cfg.index_type, factory=built.factory, search_params=built.search_params,
+        recall_at_10=built.recall_at_10, exact=built.exact, trained_on=built.trained_on, built_on_gpu=built.on_gpu,
+        count=int(len(live_ids)), next_id=final_next_id, duplicates=duplicates, skipped=len(plan.skipped),
+        labels=dict(sorted(label_counts.items())), image_root=str(image_root),
+        labels_csv=str(Path(cfg.labels_csv).absolute()) if cfg.labels_csv else None, vector_blocks=blocks,
+        last_update={"added": added, "updated": updated, "removed": removed, "unchanged": plan.unchanged},
+        library_versions=_library_versions(),
+    )
     timings = {"scan": t_scan, **{k: v for k, v in embed_stats.items() if k not in ("embedded", "resumed")},
                "commit": t_commit, "index": t_index}
     result = IndexResult(
@@ -279,26 +283,14 @@ def _build_locked(cfg: IndexConfig, layout: IndexLayout, image_root: Path, label
         updated=updated, removed=removed, unchanged=plan.unchanged, duplicates=duplicates,
         embedded=embed_stats["embedded"], resumed=embed_stats["resumed"], skipped=skipped_list,
         factory=built.factory, recall_at_10=built.recall_at_10, search_params=built.search_params,
-        timings=timings, report_path=str(layout.root / REPORT_FILE))
-    write_json_atomic(staging / "manifest.json", manifest)
+        timings=timings, report_path=str(layout.report))
+    manifest.write(staging.manifest)
     publish(layout, staging, name)
     shards.clear()
     result.timings["total"] = time.perf_counter() - t_start
-    write_json_atomic(layout.root / REPORT_FILE, asdict(result))
-    shutil.copyfile(layout.root / REPORT_FILE, layout.generation(name).report)
+    write_json_atomic(layout.report, asdict(result))
+    link_or_copy_atomic(layout.report, layout.generation(name).report)
     return result
-
-
-def _check_compatible(manifest: dict, encoder: OnnxEncoder, image_root: Path, layout: IndexLayout) -> None:
-    if manifest["model_sha256"] != encoder.sha256:
-        raise ArtifactError(f"{layout.root} was built with another model (sha256 {manifest['model_sha256'][:12]}, "
-                            f"this one is {encoder.sha256[:12]}); pass --rebuild to re-embed everything with it")
-    if manifest["embedding_dim"] != encoder.embedding_dim:
-        raise ArtifactError(f"{layout.root} holds {manifest['embedding_dim']}-d vectors, the model makes "
-                            f"{encoder.embedding_dim}-d ones; pass --rebuild to start over")
-    if Path(manifest["image_root"]) != image_root:
-        raise ArtifactError(f"{layout.root} indexes {manifest['image_root']}, not {image_root}; use another --out, "
-                            "or pass --rebuild to index this folder instead")
 
 
 def _plan(entries: list[ScanEntry], store: MetadataStore | None) -> _Plan:
@@ -389,13 +381,7 @@ def _entry(e: ScanEntry, d) -> dict:
 def _copy_encoder(src: Path, dst: Path, same_in_previous: Path | None) -> None:
     """Copy the encoder into the generation; a hard link to the previous generation's copy when it is the same
     model (generations are immutable, so they can share the file)."""
-    if same_in_previous is not None and same_in_previous.is_file():
-        try:
-            os.link(same_in_previous, dst)
-            return
-        except OSError:  # filesystems without hard links
-            pass
-    shutil.copyfile(src, dst)
+    link_or_copy_atomic(same_in_previous if same_in_previous is not None and same_in_previous.is_file() else src, dst)
 
 
 def _model_summary(encoder: OnnxEncoder) -> dict:

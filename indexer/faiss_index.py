@@ -27,7 +27,7 @@ from typing import Callable, Iterator
 import faiss
 import numpy as np
 
-from trainer.errors import ConfigError, IndexBuildError, OutputError
+from contracts.errors import ConfigError, IndexBuildError, OutputError
 
 LOG = logging.getLogger(__name__)
 

@@ -14,9 +14,10 @@ from pathlib import Path
 
 import faiss
 
-from indexer.layout import IndexLayout, current_generation, read_manifest
+from contracts.errors import ArtifactError
+from indexer.layout import IndexLayout, current_generation
+from indexer.manifest import IndexManifest
 from indexer.metadata import MetadataStore
-from trainer.errors import ArtifactError
 
 LOG = logging.getLogger(__name__)
 
@@ -28,7 +29,7 @@ class IndexDirectory:
 
     Attributes:
         path: the index directory; generation: the generation's name; generation_path: its folder.
-        manifest: the generation's ``manifest.json``.
+        manifest: the generation's :class:`~indexer.manifest.IndexManifest`.
         index: CPU FAISS index with explicit int64 ids (inner product on L2-normalized vectors), its
             search parameter (nprobe / efSearch) already set to the tuned value.
         encoder_path: the copy of ``encoder.onnx`` the vectors were made with.
@@ -41,19 +42,19 @@ class IndexDirectory:
         self.generation_path = gen.root
         if not gen.root.is_dir():
             raise ArtifactError(f"{self.path}: generation {generation} is missing; rebuild with `moco index --rebuild`")
-        self.manifest = read_manifest(gen.manifest)
+        self.manifest = IndexManifest.read(gen.manifest)
         try:
             self.index = faiss.read_index(str(gen.index))
         except RuntimeError as exc:
             raise ArtifactError(f"unreadable FAISS index {gen.index}; rebuild with `moco index --rebuild`") from exc
-        if self.index.d != self.manifest["embedding_dim"] or self.index.ntotal != self.manifest["count"]:
+        if self.index.d != self.manifest.embedding_dim or self.index.ntotal != self.manifest.count:
             raise ArtifactError(f"{gen.index} does not match its manifest (dim {self.index.d}, "
                                 f"{self.index.ntotal} vectors); rebuild with `moco index --rebuild`")
         self.encoder_path = gen.encoder
         if not self.encoder_path.is_file():
             raise ArtifactError(f"{self.encoder_path} is missing; rebuild with `moco index --rebuild`")
         self._store = MetadataStore(gen.meta, readonly=True)
-        self._image_root = Path(self.manifest["image_root"])
+        self._image_root = Path(self.manifest.image_root)
 
     @classmethod
     def open(cls, path: str | os.PathLike) -> "IndexDirectory":
@@ -68,8 +69,8 @@ class IndexDirectory:
         return cls(path, current_generation(path))
 
     def __repr__(self) -> str:
-        return (f"IndexDirectory({str(self.path)!r}, generation={self.generation}, count={self.manifest['count']}, "
-                f"factory={self.manifest['factory']!r})")
+        return (f"IndexDirectory({str(self.path)!r}, generation={self.generation}, count={self.manifest.count}, "
+                f"factory={self.manifest.factory!r})")
 
     def __enter__(self) -> "IndexDirectory":
         return self
@@ -95,7 +96,7 @@ class IndexDirectory:
 
     def labels(self) -> dict[str, int]:
         """label -> number of live items carrying it (unlabeled items are not counted)."""
-        return dict(self.manifest.get("labels", {}))
+        return dict(self.manifest.labels)
 
     def id_of_path(self, path: str) -> int | None:
         """The live id of an image by its path relative to the image folder."""

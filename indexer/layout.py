@@ -1,4 +1,4 @@
-"""The index-directory format: every path in it, the manifest, and the atomic publish of a generation.
+"""The index-directory format: every path in it, and the atomic publish of a generation.
 
 An index directory holds published *generations*; ``CURRENT`` names the live one::
 
@@ -10,6 +10,7 @@ An index directory holds published *generations*; ``CURRENT`` names the live one
         meta.lmdb/                 id -> record, path -> id, sha256 -> ids, tombstones, skipped files
         encoder.onnx               the model the vectors were made with
         report.json                what the run that published it did: counts and the skipped files
+      report.json                  the same for the last run (also one that published nothing)
       vectors/g000003.ids.npy      the vectors first embedded by that run: int64 [n] ids and float32 [n, D]
       vectors/g000003.vec.npy      rows; the index is (re)built from these, so later generations share them
       work/                        resumable embedding shards of a run in progress (deleted on publish)
@@ -17,12 +18,11 @@ An index directory holds published *generations*; ``CURRENT`` names the live one
 
 A generation is written under ``generations/.tmp-*``, renamed into place, then ``CURRENT`` is replaced with
 ``os.replace``: a reader sees the old generation or the new one, never a mix. The previous generation is kept
-until the next publish, so readers that opened it stay valid while they swap.
+until the next publish, so readers that opened it stay valid while they swap. ``manifest.json`` is
+:class:`indexer.manifest.IndexManifest`.
 """
 from __future__ import annotations
 
-import errno
-import json
 import logging
 import os
 import shutil
@@ -31,12 +31,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainer.errors import ArtifactError, OutputError
+from contracts.atomic import fsync_dir, output_errors, write_text_atomic
+from contracts.errors import ArtifactError
+from indexer.manifest import IndexManifest
 
 LOG = logging.getLogger(__name__)
 
-INDEX_FORMAT = "moco-retrieval/index"
-INDEX_FORMAT_VERSION = 1
 CURRENT_FILE = "CURRENT"
 GENERATIONS_DIR = "generations"
 VECTORS_DIR = "vectors"
@@ -47,6 +47,7 @@ INDEX_FILE = "vectors.faiss"
 META_DIR = "meta.lmdb"
 ENCODER_FILE = "encoder.onnx"
 REPORT_FILE = "report.json"
+STAGING_PREFIX = ".tmp-"
 
 
 def generation_name(number: int) -> str:
@@ -114,6 +115,11 @@ class IndexLayout:
     def lock(self) -> Path:
         return self.root / LOCK_FILE
 
+    @property
+    def report(self) -> Path:
+        """What the last run did, published or not."""
+        return self.root / REPORT_FILE
+
     def generation(self, name: str) -> GenerationPaths:
         return GenerationPaths(self.generations / name)
 
@@ -144,85 +150,16 @@ def current_generation(path: str | os.PathLike) -> str:
     return name
 
 
-# -- manifest ---------------------------------------------------------------------------------------------------
-def read_manifest(path: str | os.PathLike) -> dict:
-    """Read and check a generation's ``manifest.json``.
-
-    Raises:
-        ArtifactError: missing, not JSON, not an index manifest, or of a newer format.
-    """
-    path = Path(path)
-    try:
-        manifest = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ArtifactError(f"index manifest not found: {path}; build the index with `moco index`") from None
-    except (OSError, ValueError) as exc:
-        raise ArtifactError(f"unreadable index manifest {path} ({exc}); rebuild with `moco index --rebuild`") from exc
-    if not isinstance(manifest, dict) or manifest.get("format") != INDEX_FORMAT:
-        raise ArtifactError(f"{path} is not a moco-retrieval index manifest; build the index with `moco index`")
-    if manifest.get("format_version", 0) > INDEX_FORMAT_VERSION:
-        raise ArtifactError(f"{path} has index format {manifest['format_version']}, newer than this moco-retrieval "
-                            f"reads ({INDEX_FORMAT_VERSION}); upgrade moco-retrieval")
-    return manifest
-
-
-def write_json_atomic(path: Path, obj) -> None:
-    """Write JSON to a temp file in the same folder, fsync it, and rename it over ``path``."""
-    with output_errors(path):
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(obj, f, indent=2, sort_keys=True)
-                f.write("\n")
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-
-
-def fsync_dir(path: Path) -> None:
-    """Make a rename inside ``path`` durable (a no-op where directories cannot be opened)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-class output_errors:
-    """Context manager: an OSError while writing ``what`` (full disk, permissions...) becomes an OutputError."""
-
-    def __init__(self, what: str | os.PathLike):
-        self.what = what
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, exc_type, exc, tb):
-        if exc_type is None or not issubclass(exc_type, OSError):
-            return False
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise OutputError(f"disk full while writing {self.what}; free some space and rerun the same command "
-                              "(finished work is kept)") from exc
-        raise OutputError(f"cannot write {self.what} ({exc.strerror or exc}); choose a writable --out") from exc
-
-
 # -- publish ----------------------------------------------------------------------------------------------------
-def new_staging_dir(layout: IndexLayout) -> Path:
-    """An empty folder under ``generations/`` to assemble the next generation in (same filesystem)."""
+def new_staging_dir(layout: IndexLayout) -> GenerationPaths:
+    """The paths of an empty folder under ``generations/`` to assemble the next generation in (same
+    filesystem, so publishing it is a rename)."""
     with output_errors(layout.generations):
         layout.generations.mkdir(parents=True, exist_ok=True)
-        return Path(tempfile.mkdtemp(dir=layout.generations, prefix=".tmp-"))
+        return GenerationPaths(Path(tempfile.mkdtemp(dir=layout.generations, prefix=STAGING_PREFIX)))
 
 
-def publish(layout: IndexLayout, staging: Path, name: str) -> None:
+def publish(layout: IndexLayout, staging: GenerationPaths, name: str) -> None:
     """Make ``staging`` the live generation ``name``: rename it into place, then replace ``CURRENT``.
 
     Everything the generation holds must be written and flushed before this call. Afterwards all generations
@@ -232,15 +169,9 @@ def publish(layout: IndexLayout, staging: Path, name: str) -> None:
     previous = layout.current()
     final = layout.generation(name).root
     with output_errors(final):
-        os.replace(staging, final)
+        os.replace(staging.root, final)
         fsync_dir(layout.generations)
-        tmp = layout.root / f".{CURRENT_FILE}.tmp"
-        with open(tmp, "w") as f:
-            f.write(name + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, layout.current_file)
-        fsync_dir(layout.root)
+    write_text_atomic(layout.current_file, name + "\n")
     LOG.info("published generation %s of %s", name, layout.root)
     _collect_garbage(layout, keep={name, previous} - {None})
 
@@ -249,11 +180,11 @@ def _collect_garbage(layout: IndexLayout, keep: set[str]) -> None:
     blocks: set[str] = set()
     for name in keep:
         try:
-            blocks.update(read_manifest(layout.generation(name).manifest).get("vector_blocks", []))
+            blocks.update(IndexManifest.read(layout.generation(name).manifest).vector_blocks)
         except ArtifactError:
             pass
     for child in layout.generations.iterdir():
-        if child.name not in keep and (child.name.startswith(".tmp-") or child.name.startswith("g")):
+        if child.name not in keep and (child.name.startswith(STAGING_PREFIX) or child.name.startswith("g")):
             shutil.rmtree(child, ignore_errors=True)
     if layout.vectors.is_dir():
         for block in layout.vectors.iterdir():
@@ -268,19 +199,9 @@ def remove_stale_staging(layout: IndexLayout) -> None:
     if layout.generations.is_dir():
         for child in layout.generations.iterdir():
             unpublished = child.name.startswith("g") and child.name[1:].isdigit() and int(child.name[1:]) > newest
-            if child.name.startswith(".tmp-") or unpublished:
+            if child.name.startswith(STAGING_PREFIX) or unpublished:
                 shutil.rmtree(child, ignore_errors=True)
 
 
 def utc_now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-
-
-def __getattr__(name: str):
-    # IndexDirectory lives in indexer.index_dir (it needs faiss and lmdb); re-exported here lazily so
-    # ``from indexer.layout import IndexDirectory`` works without importing them for plain path work.
-    if name == "IndexDirectory":
-        from indexer.index_dir import IndexDirectory
-
-        return IndexDirectory
-    raise AttributeError(name)

@@ -21,13 +21,12 @@ import json
 import logging
 import os
 import threading
-from collections import Counter
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 import lmdb
 
-from trainer.errors import ArtifactError, IndexBuildError, OutputError
+from contracts.errors import ArtifactError, IndexBuildError, OutputError
 
 LOG = logging.getLogger(__name__)
 
@@ -175,11 +174,6 @@ class MetadataStore:
         """Unreadable files remembered from earlier runs: path -> {path, bytes, mtime_ns, reason}."""
         with self.env.begin(db=self._db["skipped"], buffers=True) as txn:
             return {bytes(k).decode(): _load(v) for k, v in txn.cursor()}
-
-    def label_counts(self) -> dict[str, int]:
-        """label -> number of live items (unlabeled items are not counted)."""
-        counts = Counter(r["label"] for r in self.iter_records() if r.get("label") is not None)
-        return dict(sorted(counts.items()))
 
     # -- writing ----------------------------------------------------------------------------------------------
     def _write(self, fn: Callable[[lmdb.Transaction], object]):

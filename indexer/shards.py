@@ -17,26 +17,21 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 from pathlib import Path
 
 import numpy as np
 
-from indexer.layout import fsync_dir, output_errors, write_json_atomic
+from contracts.atomic import (
+    atomic_write,
+    output_errors,
+    write_json_atomic,
+    write_text_atomic,
+)
 
 LOG = logging.getLogger(__name__)
 
 STATE_FILE = "state.json"
-
-
-def _write_npy_atomic(path: Path, array: np.ndarray) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        np.save(f, array)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 class WorkShards:
@@ -122,14 +117,10 @@ class WorkShards:
         stem = self.dir / f"shard_{n:06d}"
         vectors = (np.stack(self._pending_vectors) if self._pending_vectors
                    else np.zeros((0, self.dim), dtype=np.float32))
-        with output_errors(self.dir):
-            _write_npy_atomic(Path(f"{stem}.vec.npy"), vectors)
-            write_json_atomic(Path(f"{stem}.json"), self._pending_entries)
-            with open(f"{stem}.done", "w") as f:
-                f.write(f"{len(self._pending_entries)}\n")
-                f.flush()
-                os.fsync(f.fileno())
-            fsync_dir(self.dir)
+        with atomic_write(Path(f"{stem}.vec.npy")) as f:
+            np.save(f, vectors)
+        write_json_atomic(Path(f"{stem}.json"), self._pending_entries)
+        write_text_atomic(Path(f"{stem}.done"), f"{len(self._pending_entries)}\n")  # the marker, last
         self._vectors[n] = vectors
         for entry in self._pending_entries:
             self._cache[entry["path"]] = (entry, n)

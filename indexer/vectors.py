@@ -7,50 +7,59 @@ and :func:`live_blocks` filters by it. The manifest lists the blocks a generatio
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Callable, Iterator
 
 import numpy as np
 
-from indexer.layout import IndexLayout, fsync_dir, output_errors
+from contracts.atomic import atomic_path, atomic_write, output_errors
+from contracts.errors import IndexBuildError
+from indexer.layout import IndexLayout
 
 READ_ROWS = 65_536  # rows per block handed to FAISS
 
 
 class BlockWriter:
-    """Writes one block of ``n`` rows in order without holding them in memory (a memory-mapped .npy)."""
+    """Writes one block of ``n`` rows in order without holding them in memory (a memory-mapped .npy).
+
+    Use as a context manager: both files appear under their final names, atomically, only when the block
+    ends without an error and all ``n`` rows were appended.
+    """
 
     def __init__(self, layout: IndexLayout, name: str, n: int, d: int):
         self.ids_path, self.vec_path = layout.vector_block(name)
-        self.n, self.pos = n, 0
+        self.n, self.d, self.pos = n, d, 0
         with output_errors(layout.vectors):
             layout.vectors.mkdir(parents=True, exist_ok=True)
-            self._tmp = self.vec_path.with_name(f".{self.vec_path.name}.tmp")
-            self.ids = np.zeros(n, dtype=np.int64)
-            self.vec = np.lib.format.open_memmap(self._tmp, mode="w+", dtype=np.float32, shape=(n, d))
+
+    def __enter__(self) -> "BlockWriter":
+        self._vec_file = atomic_path(self.vec_path)
+        tmp = self._vec_file.__enter__()
+        self.ids = np.zeros(self.n, dtype=np.int64)
+        with output_errors(self.vec_path):
+            self.vec = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float32, shape=(self.n, self.d))
+        return self
 
     def append(self, item_id: int, vector: np.ndarray) -> None:
         self.ids[self.pos] = item_id
         self.vec[self.pos] = vector
         self.pos += 1
 
-    def close(self) -> None:
-        """Flush both files to disk under their final names."""
-        assert self.pos == self.n, f"block has {self.pos} of {self.n} rows"
-        with output_errors(self.vec_path):
-            self.vec.flush()
-            del self.vec
-            with open(self._tmp, "rb+") as f:
-                os.fsync(f.fileno())
-            os.replace(self._tmp, self.vec_path)
-            tmp_ids = self.ids_path.with_name(f".{self.ids_path.name}.tmp")
-            with open(tmp_ids, "wb") as f:
-                np.save(f, self.ids)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp_ids, self.ids_path)
-            fsync_dir(self.vec_path.parent)
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        self.vec.flush()
+        del self.vec
+        if exc_type is None and self.pos != self.n:
+            exc = IndexBuildError(f"vector block {self.vec_path.name} has {self.pos} of {self.n} rows")
+            exc_type = type(exc)
+        if exc_type is not None:
+            self._vec_file.__exit__(exc_type, exc, tb)  # removes the temporary file
+            if exc is not None and tb is None:
+                raise exc
+            return False
+        self._vec_file.__exit__(None, None, None)  # fsync + rename
+        with atomic_write(self.ids_path) as f:  # after the vectors: a block is complete when its ids exist
+            np.save(f, self.ids)
+        return False
 
 
 def live_blocks(layout: IndexLayout, names: list[str], live_ids: np.ndarray

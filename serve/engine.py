@@ -24,17 +24,22 @@ from typing import Iterator
 
 import numpy as np
 
-from indexer.encoder import load_image, preprocess_image
+from contracts.encoder_format import preprocess_image
+from contracts.errors import (
+    ArtifactError,
+    ConfigError,
+    DataError,
+    MocoError,
+    UnknownItemError,
+)
+from contracts.images import decode_image
+from contracts.knn import KNN_K, KNN_TEMPERATURE, SEARCH_K
 from indexer.layout import current_generation
 from serve.batching import MicroBatcher
 from serve.generation import ServedGeneration
-from trainer.errors import ArtifactError, ConfigError, DataError, MocoError, UnknownItemError
 
 LOG = logging.getLogger(__name__)
 
-DEFAULT_K = 10
-DEFAULT_CLASSIFY_K = 20          # k-NN evaluation defaults (DESIGN.md): k = 20, weights exp(s / 0.07)
-DEFAULT_TEMPERATURE = 0.07
 MAX_K = 1000
 
 
@@ -248,7 +253,7 @@ class SearchEngine:
         rows = []
         for image in images:
             if not hasattr(image, "mode"):  # bytes or a path; a PIL image is used as it is
-                image = load_image(image)
+                image = decode_image(image)
             rows.append(preprocess_image(image, enc.image_size, enc.resize))
         return np.stack(rows)
 
@@ -299,7 +304,7 @@ class SearchEngine:
         self._count(len(images))
         return results
 
-    def search(self, images: list, k: int = DEFAULT_K) -> list[SearchResult]:
+    def search(self, images: list, k: int = SEARCH_K) -> list[SearchResult]:
         """The ``k`` nearest items to each query image.
 
         Args:
@@ -316,7 +321,7 @@ class SearchEngine:
         self._check_k(k)
         return self._neighbours(images, k)
 
-    def search_by_id(self, item_id: int, k: int = DEFAULT_K) -> SearchResult:
+    def search_by_id(self, item_id: int, k: int = SEARCH_K) -> SearchResult:
         """The ``k`` nearest items to an indexed item (the item itself left out).
 
         Raises:
@@ -343,8 +348,8 @@ class SearchEngine:
                    "total": t3 - t0}
         return SearchResult(hits, gen.name, timings, 1, query=query)
 
-    def classify(self, images: list, k: int = DEFAULT_CLASSIFY_K,
-                 temperature: float = DEFAULT_TEMPERATURE) -> list[Classification]:
+    def classify(self, images: list, k: int = KNN_K,
+                 temperature: float = KNN_TEMPERATURE) -> list[Classification]:
         """k-NN classification: the labels of the ``k`` nearest items vote with weights ``exp(s / T)``.
 
         Raises:
@@ -401,12 +406,12 @@ class SearchEngine:
     @property
     def image_root(self) -> Path:
         """The folder the live generation's item paths are relative to."""
-        return Path(self._current.manifest["image_root"])
+        return Path(self._current.manifest.image_root)
 
     def examples(self, n: int) -> list[dict]:
         """Up to ``n`` live records to offer as example queries, spread over the labels (lowest ids first)."""
         with self._generation() as gen:
-            next_id = int(gen.manifest.get("next_id", gen.ntotal))
+            next_id = int(gen.manifest.next_id)
             by_label: dict[str | None, list[dict]] = {}
             for start in range(0, next_id, 1024):
                 for rec in gen.directory.records(range(start, min(next_id, start + 1024))):
@@ -428,18 +433,17 @@ class SearchEngine:
             labels = gen.labels()
             return {
                 "index_dir": str(self.index_dir),
-                "image_root": m.get("image_root"),
+                "image_root": m.image_root,
                 "generation": gen.name,
                 "items": gen.ntotal,
                 "labels": labels,
                 "model": {key: enc.metadata.get(key) for key in ("arch", "moco_version", "image_size",
                                                                   "embedding_dim", "run_id", "precision")}
                 | {"sha256": enc.sha256, "provider": enc.provider},
-                "index": {"factory": m.get("factory"), "metric": m.get("metric"), "type": type(gen.directory.index
-                                                                                               ).__name__,
-                          "recall_at_10": m.get("recall_at_10")},
-                "created_at": m.get("created_at"),
-                "updated_at": m.get("updated_at"),
+                "index": {"factory": m.factory, "metric": m.metric, "type": type(gen.directory.index).__name__,
+                          "recall_at_10": m.recall_at_10},
+                "created_at": m.created_at,
+                "updated_at": m.updated_at,
                 "queries_served": self.queries,
                 "swaps": self.swaps,
             }

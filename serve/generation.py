@@ -17,10 +17,10 @@ from pathlib import Path
 import faiss
 import numpy as np
 
+from contracts.errors import ArtifactError
 from indexer.encoder import OnnxEncoder
 from indexer.index_dir import IndexDirectory
 from indexer.layout import current_generation
-from trainer.errors import ArtifactError
 
 LOG = logging.getLogger(__name__)
 
@@ -62,25 +62,6 @@ def close_directory(directory: IndexDirectory) -> None:
     directory.close()
 
 
-def check_compatible(manifest: dict, encoder: OnnxEncoder, index_dim: int, where: str) -> None:
-    """Refuse to serve vectors with a model that did not make them.
-
-    Raises:
-        ArtifactError: the encoder's sha256 or embedding dimension differs from the manifest's, or the FAISS
-            index has another dimension.
-    """
-    expected = manifest.get("model_sha256")
-    if expected != encoder.sha256:
-        raise ArtifactError(f"index {where} was built with model {str(expected)[:12]}, but {encoder.path} is "
-                            f"{encoder.sha256[:12]}; serve it with the model it was built with, or rebuild it with "
-                            f"`moco index IMAGE_DIR --model {encoder.path} --out {where}`")
-    dims = {"manifest": manifest.get("embedding_dim"), "encoder": encoder.embedding_dim, "FAISS index": index_dim}
-    if len(set(dims.values())) != 1:
-        said = ", ".join(f"{name} {d}" for name, d in dims.items())
-        raise ArtifactError(f"index {where} has inconsistent embedding dimensions ({said}); "
-                            "rebuild it with `moco index --rebuild`")
-
-
 class ServedGeneration:
     """An open generation: ``directory`` (IndexDirectory), ``encoder`` (OnnxEncoder), ``name``.
 
@@ -118,12 +99,13 @@ class ServedGeneration:
         directory = open_directory(index_dir)
         try:
             manifest = directory.manifest
-            if reuse is not None and model is None and reuse.sha256 == manifest.get("model_sha256"):
+            if reuse is not None and model is None and reuse.sha256 == manifest.model_sha256:
                 encoder = reuse
             else:
                 encoder = OnnxEncoder(model if model is not None else directory.encoder_path, device=device,
                                       threads=threads)
-            check_compatible(manifest, encoder, directory.index.d, str(index_dir))
+            manifest.check_encoder(encoder, str(index_dir), "serve it with the model it was built with, or rebuild "
+                                   f"it with `moco index IMAGE_DIR --model {encoder.path} --out {index_dir}`")
         except BaseException:
             close_directory(directory)
             raise

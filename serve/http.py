@@ -10,7 +10,7 @@ Endpoints (all under ``/api``; the OpenAPI page is ``/docs``)::
     GET  /api/health              liveness and the live generation
     GET  /api/stats               items, labels, model, index type, recall@10
 
-Every error is JSON ``{"error": "<one line>"}`` with the status of its :class:`~trainer.errors.MocoError`
+Every error is JSON ``{"error": "<one line>"}`` with the status of its :class:`~contracts.errors.MocoError`
 (400 bad input, 404 unknown id, 409 index/model problem, 413 upload too large, 422 malformed request);
 an unexpected exception answers 500 with no traceback (the traceback goes to the server log).
 """
@@ -27,8 +27,9 @@ from fastapi.responses import FileResponse, JSONResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from serve.engine import (DEFAULT_CLASSIFY_K, DEFAULT_K, DEFAULT_TEMPERATURE, EngineConfig, SearchEngine)
-from trainer.errors import DataError, MocoError, UploadTooLargeError
+from contracts.errors import DataError, MocoError, UploadTooLargeError
+from contracts.knn import KNN_K, KNN_TEMPERATURE, SEARCH_K
+from serve.engine import EngineConfig, SearchEngine
 
 LOG = logging.getLogger(__name__)
 
@@ -174,7 +175,7 @@ def create_app(engine: SearchEngine | str | os.PathLike, max_upload_bytes: int =
 
     @app.post("/api/search", response_model=SearchResponse, responses=_ERRORS, tags=["search"])
     async def search(image: UploadFile = File(..., description="the query image (JPEG, PNG, WebP, ...)"),
-                     k: int = Query(DEFAULT_K, description="number of neighbours, 1 to the server's max_k")):
+                     k: int = Query(SEARCH_K, description="number of neighbours, 1 to the server's max_k")):
         """The `k` indexed images most similar to the uploaded one, best first (cosine similarity)."""
         data = await _read_upload(image, max_upload_bytes)
         (res,) = await run_in_threadpool(engine.search, [data], k)
@@ -183,8 +184,8 @@ def create_app(engine: SearchEngine | str | os.PathLike, max_upload_bytes: int =
 
     @app.post("/api/classify", response_model=ClassifyResponse, responses=_ERRORS, tags=["search"])
     async def classify(image: UploadFile = File(..., description="the image to classify"),
-                       k: int = Query(DEFAULT_CLASSIFY_K, description="neighbours that vote"),
-                       temperature: float = Query(DEFAULT_TEMPERATURE, description="vote weight exp(score / T)")):
+                       k: int = Query(KNN_K, description="neighbours that vote"),
+                       temperature: float = Query(KNN_TEMPERATURE, description="vote weight exp(score / T)")):
         """k-NN classification: labeled neighbours vote with weight exp(score / temperature)."""
         data = await _read_upload(image, max_upload_bytes)
         (res,) = await run_in_threadpool(engine.classify, [data], k, temperature)
@@ -205,7 +206,7 @@ def create_app(engine: SearchEngine | str | os.PathLike, max_upload_bytes: int =
         return FileResponse(path, media_type=media_type)
 
     @app.get("/api/items/{item_id}/neighbors", response_model=SearchResponse, responses=_ERRORS, tags=["items"])
-    def neighbors(item_id: int, k: int = Query(DEFAULT_K, description="number of neighbours")):
+    def neighbors(item_id: int, k: int = Query(SEARCH_K, description="number of neighbours")):
         """The `k` items most similar to an indexed item (the item itself left out)."""
         res = engine.search_by_id(item_id, k)
         return {"generation": res.generation, "k": k, "results": [_with_url(h) for h in res.hits],

@@ -9,8 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from tests._serve_helpers import (CORPUS_PER_CLASS, HELD_OUT_PER_CLASS, RunningServer, build_index,
-                                  export_random_encoder, write_colour_corpus)
+from tests._serve_helpers import (
+    CORPUS_PER_CLASS,
+    HELD_OUT_PER_CLASS,
+    RunningServer,
+    build_index,
+    export_random_encoder,
+    write_colour_corpus,
+)
 
 
 @pytest.fixture(scope="session")

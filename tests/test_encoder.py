@@ -1,9 +1,8 @@
 """The shared encoder runtime (indexer.encoder): preprocessing equal to torchvision's eval transform, embeddings
-equal to the PyTorch backbone, input checks, foreign files, image decoding errors, device choice, no torch."""
+equal to the PyTorch backbone, input checks, foreign files, device choice, no torch."""
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import pickle
 import subprocess
@@ -20,14 +19,19 @@ import torch.nn.functional as F
 from PIL import Image
 from torchvision.transforms import v2 as T
 
-from indexer.encoder import (ONNX_FORMAT_VERSION, OnnxEncoder, available_cores, load_image, open_session,
-                             preprocess_image, read_encoder_metadata)
+from contracts.encoder_format import ENCODER_FORMAT_VERSION, preprocess_image
+from contracts.errors import ArtifactError, ConfigError, DataError
+from contracts.images import decode_image
+from indexer.encoder import (
+    OnnxEncoder,
+    available_cores,
+    open_session,
+    read_encoder_metadata,
+)
 from tests._checkpoints import write_checkpoint
 from trainer.augment import eval_transform
 from trainer.demo_data import draw_shape
-from trainer.errors import ArtifactError, ConfigError, DataError
 from trainer.export import export_encoder, load_backbone
-from trainer.imagefolder import load_rgb
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +86,7 @@ def test_encoder__image_file_embedding_equals_pytorch_eval_transform(exported, e
         _photo(w, h, seed=10 + i).save(paths[-1])
     backbone, _, _ = load_backbone(exported[1])
     with torch.no_grad():
-        x = torch.stack([eval_transform(32)(load_rgb(p)) for p in paths])
+        x = torch.stack([eval_transform(32)(decode_image(p)) for p in paths])
         want = F.normalize(backbone(x), dim=1).numpy()
     got = encoder.embed_images([str(p) for p in paths])
     assert got.dtype == np.float32 and got.shape == (3, 512)
@@ -142,43 +146,12 @@ def test_encoder__rejects_missing_foreign_and_newer_files(exported, tmp_path):
         read_encoder_metadata(tmp_path / "plain.onnx")
     model = onnx.load(str(exported[0]))
     props = {p.key: p.value for p in model.metadata_props}
-    props["format_version"] = str(ONNX_FORMAT_VERSION + 1)
+    props["format_version"] = str(ENCODER_FORMAT_VERSION + 1)
     del model.metadata_props[:]
     onnx.helper.set_model_props(model, props)
     onnx.save(model, str(tmp_path / "newer.onnx"))
     with pytest.raises(ArtifactError, match="upgrade moco-retrieval"):
         OnnxEncoder(tmp_path / "newer.onnx")
-
-
-def test_load_image__one_line_data_errors(tmp_path):
-    buffer = io.BytesIO()
-    _photo(40, 40).save(buffer, format="PNG")
-    png = buffer.getvalue()
-    (tmp_path / "truncated.png").write_bytes(png[: len(png) // 2])
-    (tmp_path / "text.png").write_text("hello")
-    (tmp_path / "empty.png").write_bytes(b"")
-    cases = [(tmp_path / "truncated.png", "not a readable image"), (tmp_path / "text.png", "not a readable image"),
-             (tmp_path / "empty.png", "empty file"), (tmp_path / "nope.png", "image not found"),
-             (b"", "empty"), (b"GIF89a garbage", "not a readable image")]
-    for source, expected in cases:
-        with pytest.raises(DataError, match=expected) as info:
-            load_image(source)
-        assert "\n" not in str(info.value)
-    assert load_image(png).mode == "RGB" and load_image(png).size == (40, 40)
-
-
-@pytest.mark.filterwarnings("ignore::PIL.Image.DecompressionBombWarning")
-def test_load_image__refuses_decompression_bombs_before_decoding(tmp_path):
-    Image.new("1", (10_000, 9_000)).save(tmp_path / "bomb.png")  # 90 M pixels in a few kB
-    with pytest.raises(DataError, match="too large"):
-        load_image(tmp_path / "bomb.png")
-
-
-def test_load_image__palette_gray_and_alpha_become_rgb():
-    for mode in ("P", "L", "RGBA", "LA"):
-        buffer = io.BytesIO()
-        _photo(20, 20).convert(mode).save(buffer, format="PNG")
-        assert load_image(buffer.getvalue()).mode == "RGB"
 
 
 def test_open_session__auto_uses_cuda_only_when_a_session_really_runs_there(exported):

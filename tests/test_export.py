@@ -12,12 +12,21 @@ import pytest
 import torch
 
 from app.cli import main
-from indexer.encoder import ONNX_FORMAT, ONNX_FORMAT_VERSION, read_encoder_metadata
+from contracts.encoder_format import ENCODER_FORMAT, ENCODER_FORMAT_VERSION
+from contracts.errors import ArtifactError, ConfigError, ExportError, OutputError
+from indexer.encoder import read_encoder_metadata
 from tests._checkpoints import key_backbone, write_checkpoint
-from trainer.errors import ArtifactError, ConfigError, ExportError, OutputError
-from trainer.export import (DEFAULT_OPSET, ENCODER_FORMAT, ENCODER_FORMAT_VERSION, FP32_TOLERANCE, MAX_OPSET,
-                            MIN_OPSET, ParityTolerance, export_encoder, load_backbone, reference_embeddings,
-                            verification_images)
+from trainer.export import (
+    DEFAULT_OPSET,
+    FP32_TOLERANCE,
+    MAX_OPSET,
+    MIN_OPSET,
+    ParityTolerance,
+    export_encoder,
+    load_backbone,
+    reference_embeddings,
+    verification_images,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -93,8 +102,7 @@ def test_export__graph_contract_uint8_nhwc_in_l2_normalized_float32_out(v2_onnx)
 
 def test_export__metadata_round_trips(v2_run, v2_onnx):
     meta = read_encoder_metadata(v2_onnx[0])
-    assert (ENCODER_FORMAT, ENCODER_FORMAT_VERSION) == (ONNX_FORMAT, ONNX_FORMAT_VERSION)
-    assert meta["format"] == ONNX_FORMAT and meta["format_version"] == ONNX_FORMAT_VERSION
+    assert meta["format"] == ENCODER_FORMAT and meta["format_version"] == ENCODER_FORMAT_VERSION
     assert meta["image_size"] == 32 and meta["embedding_dim"] == 512
     assert meta["arch"] == "resnet18" and meta["moco_version"] == 2
     assert meta["resize"] == "shorter_side_center_crop"

@@ -14,12 +14,12 @@ import faiss
 import numpy as np
 import pytest
 
+from contracts.errors import ArtifactError
 from indexer.build import IndexConfig, build_index_dir
 from indexer.encoder import OnnxEncoder
 from indexer.index_dir import IndexDirectory, current_generation
 from tests.index_fixtures import index_encoder, other_encoder, write_corpus  # noqa: F401 (fixtures)
 from trainer.demo_data import draw_shape
-from trainer.errors import ArtifactError
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -44,7 +44,7 @@ def _faiss_ids(index: faiss.Index) -> set[int]:
 
 def _live(d: IndexDirectory) -> dict[str, int]:
     """path -> id of every live record (walking ids 0..next_id)."""
-    recs = [r for r in d.records(range(d.manifest["next_id"])) if r is not None]
+    recs = [r for r in d.records(range(d.manifest.next_id)) if r is not None]
     return {r["path"]: r["id"] for r in recs}
 
 
@@ -74,7 +74,7 @@ def test_index__count_is_readable_images_and_bad_files_are_reported(built, corpu
     report = json.loads((out / "report.json").read_text())
     assert [s["path"] for s in report["skipped"]] == info["bad"]
     with IndexDirectory.open(out) as d:
-        assert d.index.ntotal == d.manifest["count"] == len(info["good"])
+        assert d.index.ntotal == d.manifest.count == len(info["good"])
         assert sorted(_live(d)) == info["good"]
         assert d.labels()["star"] == 4  # 3 generated + the duplicate copy
 
@@ -96,14 +96,14 @@ def test_index__exact_duplicate_is_recorded(built, corpus):
     with IndexDirectory.open(out) as d:
         a, b = d.record(d.id_of_path(original)), d.record(d.id_of_path(copy))
         assert a["sha256"] == b["sha256"] and a["duplicate_of"] is None and b["duplicate_of"] == a["id"]
-        assert d.manifest["duplicates"] == 1
+        assert d.manifest.duplicates == 1
 
 
 def test_index__directory_is_self_sufficient(built, index_encoder):
     out, _ = built
     with IndexDirectory.open(out) as d:
         assert d.encoder_path.read_bytes() == Path(index_encoder).read_bytes()
-        assert d.manifest["model_sha256"] == OnnxEncoder(d.encoder_path, device="cpu").sha256
+        assert d.manifest.model_sha256 == OnnxEncoder(d.encoder_path, device="cpu").sha256
         assert current_generation(out) == d.generation == "g000001"
 
 
@@ -115,8 +115,8 @@ def test_index__query_image_finds_itself(index_type, factory_prefix, corpus, ind
     assert result.factory.startswith(factory_prefix)
     encoder = OnnxEncoder(index_encoder, device="cpu", threads=1)
     with IndexDirectory.open(tmp_path / "idx") as d:
-        assert 0.0 < d.manifest["recall_at_10"] <= 1.0
-        assert d.manifest["recall_at_10"] == result.recall_at_10
+        assert 0.0 < d.manifest.recall_at_10 <= 1.0
+        assert d.manifest.recall_at_10 == result.recall_at_10
         queries = info["good"][1::5]
         D, I = d.index.search(encoder.embed_images([data / p for p in queries]), 2)
         for path, scores, ids in zip(queries, D, I):
@@ -189,7 +189,7 @@ def test_index__resume_after_sigkill_equals_uninterrupted_run(shapes_dir, index_
     whole = build_index_dir(_cfg(shapes_dir, index_encoder, tmp_path / "whole"))
     assert not (killed / "work").exists()
     with IndexDirectory.open(killed) as a, IndexDirectory.open(tmp_path / "whole") as b:
-        assert _live(a) == _live(b) and a.manifest["count"] == b.manifest["count"] == 96
+        assert _live(a) == _live(b) and a.manifest.count == b.manifest.count == 96
         ids = sorted(_live(a).values())
         va = np.stack([a.index.reconstruct(i) for i in ids])
         vb = np.stack([b.index.reconstruct(i) for i in ids])
@@ -208,7 +208,7 @@ def test_index__other_model_is_refused_and_rebuild_starts_over(built, corpus, in
     rebuilt = build_index_dir(_cfg(data, other_encoder, out, rebuild=True))
     assert rebuilt.added == first.count and rebuilt.embedded == first.count + len(info["bad"])  # bad ones retried
     with IndexDirectory.open(out) as d:
-        assert d.manifest["model_sha256"] == OnnxEncoder(other_encoder, device="cpu").sha256
+        assert d.manifest.model_sha256 == OnnxEncoder(other_encoder, device="cpu").sha256
         assert d.encoder_path.read_bytes() == Path(other_encoder).read_bytes()
         assert min(_live(d).values()) >= first.count  # new ids, old ones are not reused
 
@@ -225,7 +225,7 @@ def test_index__reader_of_old_generation_stays_valid_after_publish(corpus, index
     (data / gone).unlink()
     build_index_dir(_cfg(data, index_encoder, out))
     assert current_generation(out) == "g000002"
-    assert old.record(gone_id)["path"] == gone and old.index.ntotal == old.manifest["count"]
+    assert old.record(gone_id)["path"] == gone and old.index.ntotal == old.manifest.count
     with IndexDirectory.open(out) as new:
         assert new.record(gone_id) is None and new.index.ntotal == old.index.ntotal - 1
     old.close()

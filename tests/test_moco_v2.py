@@ -7,11 +7,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from contracts.errors import ConfigError
 from trainer.backbones import SplitBatchNorm2d, build_resnet
 from trainer.build import lr_at
 from trainer.config import TrainConfig
-from trainer.errors import ConfigError
-from trainer.moco import MoCoV2, batch_shuffle, batch_unshuffle, info_nce_logits, momentum_update_
+from trainer.moco import (
+    MoCoV2,
+    batch_shuffle,
+    batch_unshuffle,
+    info_nce_logits,
+    momentum_update_,
+)
 
 
 def test_info_nce_logits__match_hand_computation():

@@ -12,10 +12,10 @@ import torch.nn.functional as F
 from timm.layers import build_sincos2d_pos_embed
 
 from app.cmd_train import _add_train_options, _train_config
+from contracts.errors import ConfigError
 from tests.conftest import tiny_train_config
 from trainer.build import build_model, build_optimizer, build_transform, key_momentum_at
 from trainer.config import TrainConfig
-from trainer.errors import ConfigError
 from trainer.lars import LARS
 from trainer.moco import MoCoV3, contrastive_loss
 from trainer.train import train

@@ -46,14 +46,6 @@ def test_search_cli__bad_image_or_k_is_a_one_line_error(served_index, tmp_path, 
     assert main(["search", str(tmp_path / "no-index"), str(junk)]) == 4
 
 
-def test_cli_defaults__equal_the_engine_defaults():
-    from app import cmd_serve
-    from serve import engine
-
-    assert (cmd_serve.DEFAULT_K, cmd_serve.DEFAULT_CLASSIFY_K, cmd_serve.DEFAULT_TEMPERATURE) == (
-        engine.DEFAULT_K, engine.DEFAULT_CLASSIFY_K, engine.DEFAULT_TEMPERATURE)
-
-
 def test_serve_cli__serves_until_interrupted_and_refuses_a_busy_port(served_index, serve_corpus):
     port = free_port()
     env = dict(os.environ, PYTHONUNBUFFERED="1")

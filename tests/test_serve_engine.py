@@ -10,10 +10,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from contracts.errors import ArtifactError, ConfigError, DataError
 from indexer.encoder import OnnxEncoder
 from serve.engine import EngineConfig, SearchEngine, UnknownItemError, knn_vote
-from tests._serve_helpers import build_index, build_index_in_subprocess, export_random_encoder, write_colour_corpus
-from trainer.errors import ArtifactError, ConfigError, DataError
+from tests._serve_helpers import (
+    build_index,
+    build_index_in_subprocess,
+    export_random_encoder,
+    write_colour_corpus,
+)
 
 pytest_plugins = ("tests._serve_fixtures",)  # the shared serving fixtures (index, engine, server)
 
@@ -103,13 +108,13 @@ def test_classify__held_out_images_are_mostly_right(served_engine, held_out):
 
 def test_engine__refuses_a_model_that_did_not_build_the_index(served_index, tmp_path):
     other = export_random_encoder(tmp_path, seed=1)
-    with pytest.raises(ArtifactError, match="was built with model"):
+    with pytest.raises(ArtifactError, match="was built with another model"):
         SearchEngine(served_index, EngineConfig(model=str(other), poll_seconds=0))
     tampered = tmp_path / "tampered"
     shutil.copytree(served_index, tampered)
     live = (tampered / "CURRENT").read_text().strip()
     shutil.copyfile(other, tampered / "generations" / live / "encoder.onnx")
-    with pytest.raises(ArtifactError, match="was built with model"):
+    with pytest.raises(ArtifactError, match="was built with another model"):
         SearchEngine(tampered, EngineConfig(poll_seconds=0))
     with pytest.raises(ArtifactError, match="not found"):
         SearchEngine(tmp_path / "nowhere", EngineConfig(poll_seconds=0))

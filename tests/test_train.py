@@ -2,20 +2,17 @@
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from app.cli import main
+from contracts.errors import ArtifactError
 from tests.conftest import tiny_train_config
 from trainer.checkpoint import load_checkpoint
 from trainer.demo_data import write_demo_dataset
-from trainer.errors import ArtifactError
 from trainer.train import train
 
 
@@ -131,7 +128,7 @@ def test_load_checkpoint__foreign_and_corrupt_files_are_artifact_errors(tmp_path
 
 
 def test_fit_queue_to_data__caps_queue_at_half_the_images():
-    from trainer.errors import DataError
+    from contracts.errors import DataError
     from trainer.train import fit_queue_to_data
 
     assert fit_queue_to_data(256, 64, 10_000) == 256  # small queue: unchanged

@@ -1,7 +1,7 @@
 """Image transforms: the MoCo two-crop augmentations and the deterministic evaluation preprocessing.
 
 All built from torchvision transforms v2. Evaluation preprocessing is the same policy the ONNX export
-declares (``resize=shorter_side_center_crop``): resize the shorter side to the model size, center-crop
+declares (``contracts.encoder_format.RESIZE_POLICY``): resize the shorter side to the model size, center-crop
 a square, scale to [0, 1] and normalize with ImageNet mean/std.
 """
 from __future__ import annotations
@@ -9,9 +9,7 @@ from __future__ import annotations
 import torch
 from torchvision.transforms import v2 as T
 
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
-EVAL_RESIZE_POLICY = "shorter_side_center_crop"
+from contracts.encoder_format import IMAGENET_MEAN, IMAGENET_STD
 
 
 def blur_kernel_size(image_size: int) -> int:

@@ -5,9 +5,8 @@ the representation that is exported, indexed and served.
 """
 from __future__ import annotations
 
-from functools import partial
-
 import math
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -16,8 +15,8 @@ from timm.layers import build_sincos2d_pos_embed
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
+from contracts.errors import ConfigError
 from trainer.config import RESNETS, VITS
-from trainer.errors import ConfigError
 
 
 class SplitBatchNorm2d(nn.BatchNorm2d):

@@ -9,10 +9,10 @@ import math
 import torch
 from torch import nn
 
+from contracts.errors import ConfigError
 from trainer.augment import TwoViews, moco_v2_view, moco_v3_views
 from trainer.backbones import build_resnet, build_vit
 from trainer.config import RESNETS, VITS, TrainConfig
-from trainer.errors import ConfigError
 from trainer.lars import LARS
 from trainer.moco import MoCo, MoCoV2, MoCoV3
 

@@ -7,14 +7,14 @@ TrainConfig as a dict), ``model`` (the whole MoCo state: both encoders, the queu
 from __future__ import annotations
 
 import logging
-import os
 import random
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from trainer.errors import ArtifactError, OutputError
+from contracts.atomic import atomic_write
+from contracts.errors import ArtifactError
 
 LOG = logging.getLogger(__name__)
 
@@ -24,21 +24,9 @@ LAST = "checkpoint_last.pt"
 
 
 def save_atomic(obj: dict, path: str | Path) -> None:
-    """Write ``obj`` with ``torch.save`` to a temporary file in the same folder, fsync, then rename.
-
-    A crash at any moment leaves either the previous file or the new one, never a half-written file.
-    """
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        raise OutputError(f"cannot write checkpoint {path}: {exc.strerror or exc}") from exc
+    """``torch.save`` ``obj`` to ``path`` atomically (:mod:`contracts.atomic`): the old file or the new one."""
+    with atomic_write(path, "wb", hint="free some space or choose another --out") as f:
+        torch.save(obj, f)
 
 
 def rng_state() -> dict:

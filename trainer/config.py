@@ -11,7 +11,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from trainer.errors import ConfigError
+from contracts.errors import ConfigError
+from contracts.knn import KNN_K, KNN_TEMPERATURE
 
 RESNETS = ("resnet18", "resnet34", "resnet50")
 VITS = ("vit_tiny", "vit_small", "vit_base")
@@ -83,8 +84,8 @@ class TrainConfig:
     seed: int = 0  # seeds data order, augmentations and initialisation
     knn_dir: str | None = None  # labeled folder for the k-NN monitor; None = the training folder if labeled
     knn_every: int = 1  # run the k-NN monitor every N epochs (0 = never)
-    knn_k: int = 20  # neighbours voting in the k-NN monitor
-    knn_temperature: float = 0.07  # vote weight exp(similarity / T)
+    knn_k: int = KNN_K  # neighbours voting in the k-NN monitor
+    knn_temperature: float = KNN_TEMPERATURE  # vote weight exp(similarity / T)
     knn_max_images: int = 5000  # cap on images used by the monitor (a fixed subset)
     save_every: int = 10  # also keep checkpoint_XXXX.pt every N epochs (checkpoint_last.pt every epoch)
     save_every_steps: int = 0  # also write checkpoint_last.pt every N steps inside an epoch (0 = only at epoch ends)

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import logging
 
-import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from trainer.imagefolder import ImageList, load_rgb
+from contracts.errors import DataError
+from contracts.images import decode_image
+from trainer.imagefolder import ImageList
 
 LOG = logging.getLogger(__name__)
 
@@ -36,8 +37,8 @@ class FolderDataset(Dataset):
         for attempt in range(len(self.images)):
             i = (index + attempt) % len(self.images)
             try:
-                image = load_rgb(self.images.root / self.images.paths[i])
-            except OSError as exc:
+                image = decode_image(self.images.root / self.images.paths[i])
+            except DataError as exc:
                 LOG.warning("cannot decode %s: %s", self.images.paths[i], exc)
                 ok = False
                 continue

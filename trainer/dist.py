@@ -16,7 +16,6 @@ Launch with torchrun (it sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_
 from __future__ import annotations
 
 import datetime
-import functools
 import logging
 import os
 from dataclasses import dataclass
@@ -73,10 +72,6 @@ def world_size() -> int:
     return tdist.get_world_size() if is_distributed() else 1
 
 
-def is_main() -> bool:
-    return rank() == 0
-
-
 def barrier() -> None:
     if is_distributed():
         tdist.barrier()
@@ -118,25 +113,6 @@ def gather_no_grad(x: torch.Tensor) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(world_size())]
     tdist.all_gather(parts, x.contiguous())
     return torch.cat(parts, dim=0)
-
-
-def gather(x: torch.Tensor) -> torch.Tensor:
-    """Like :func:`gather_no_grad`, but gradients flow back to each rank's own slice."""
-    if not is_distributed():
-        return x
-    import torch.distributed.nn.functional as dist_fn
-
-    return torch.cat(dist_fn.all_gather(x.contiguous()), dim=0)
-
-
-def rank_zero_only(fn):
-    """Decorator: run ``fn`` on rank 0 only (other ranks get ``None``)."""
-
-    @functools.wraps(fn)
-    def wrapped(*args, **kwargs):
-        return fn(*args, **kwargs) if is_main() else None
-
-    return wrapped
 
 
 def gather_objects(obj) -> list:

@@ -13,9 +13,7 @@ features (frozen backbone, eval-mode BN, no augmentation) for as many epochs as 
 from __future__ import annotations
 
 import datetime
-import json
 import logging
-import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -26,10 +24,14 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
-from trainer.augment import EVAL_RESIZE_POLICY, eval_transform
+from contracts.atomic import output_errors, write_json_atomic
+from contracts.encoder_format import RESIZE_POLICY
+from contracts.errors import DataError
+from contracts.images import decode_image
+from contracts.knn import EVAL_KS, KNN_TEMPERATURE
+from trainer.augment import eval_transform
 from trainer.checkpoint import resolve_checkpoint
-from trainer.errors import DataError, OutputError
-from trainer.imagefolder import load_rgb, scan_image_folder
+from trainer.imagefolder import scan_image_folder
 from trainer.knn import knn_predict
 
 LOG = logging.getLogger(__name__)
@@ -82,9 +84,9 @@ class _Images(Dataset):
 
     def __getitem__(self, i: int) -> torch.Tensor:
         try:
-            return self.transform(load_rgb(self.paths[i]))
-        except OSError as exc:
-            raise DataError(f"cannot decode {self.paths[i]}: {exc}; remove or replace the file") from exc
+            return self.transform(decode_image(self.paths[i]))
+        except DataError as exc:
+            raise DataError(f"cannot decode {exc}; remove or replace the file") from exc
 
 
 # ---- embedders ---------------------------------------------------------------------------------------------
@@ -101,8 +103,8 @@ class CheckpointEmbedder:
 
     def __init__(self, path: str | Path, device: str = "auto", batch_size: int = 256, workers: int = 0):
         # the export's loader: the same checks and the same backbone as `moco export` (heavy imports, so lazy)
+        from trainer.device import resolve_device
         from trainer.export import embedding_dim, load_backbone
-        from trainer.train import resolve_device
 
         self.path = resolve_checkpoint(path)
         backbone, self.config, ckpt = load_backbone(self.path)
@@ -117,7 +119,7 @@ class CheckpointEmbedder:
         """What was evaluated, for the results JSON."""
         return {"model_kind": self.kind, "checkpoint": str(self.path), "arch": self.config.arch,
                 "moco_version": self.config.moco_version, "epoch": self.epoch, "run_id": self.config.run_id,
-                "image_size": self.image_size, "embedding_dim": self.embedding_dim, "resize": EVAL_RESIZE_POLICY}
+                "image_size": self.image_size, "embedding_dim": self.embedding_dim, "resize": RESIZE_POLICY}
 
     @torch.no_grad()
     def embed_images(self, paths: list[str]) -> np.ndarray:
@@ -157,7 +159,7 @@ def embed(embedder, images: LabeledImages, chunk: int = 512) -> np.ndarray:
 
 # ---- protocols -------------------------------------------------------------------------------------------
 def knn_top1(xb: np.ndarray, yb: np.ndarray, xq: np.ndarray, yq: np.ndarray, num_classes: int,
-             ks: tuple[int, ...] = (20, 200), temperature: float = 0.07) -> list[dict]:
+             ks: tuple[int, ...] = EVAL_KS, temperature: float = KNN_TEMPERATURE) -> list[dict]:
     """Weighted k-NN top-1 accuracy (cosine similarity, votes ``exp(s / T)``), one row per k.
 
     Args:
@@ -237,8 +239,8 @@ def linear_probe(xb: np.ndarray, yb: np.ndarray, xq: np.ndarray, yq: np.ndarray,
 
 
 # ---- end to end ------------------------------------------------------------------------------------------
-def evaluate(protocol: str, embedder, train_dir: str | Path, test_dir: str | Path, ks: tuple[int, ...] = (20, 200),
-             temperature: float = 0.07, probe: LinearProbeConfig | None = None) -> dict:
+def evaluate(protocol: str, embedder, train_dir: str | Path, test_dir: str | Path, ks: tuple[int, ...] = EVAL_KS,
+             temperature: float = KNN_TEMPERATURE, probe: LinearProbeConfig | None = None) -> dict:
     """Run ``protocol`` (``knn`` or ``linear``) on ``embedder`` and return the results document (see
     :func:`write_results`)."""
     if protocol not in ("knn", "linear"):
@@ -258,16 +260,12 @@ def evaluate(protocol: str, embedder, train_dir: str | Path, test_dir: str | Pat
 
 
 def write_results(doc: dict, path: str | Path) -> Path:
-    """Write the results document as JSON, atomically (temp file + rename). Raises OutputError."""
+    """Write the results document as JSON, atomically. Raises OutputError."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    try:
+    hint = "pass --out with a writable path"
+    with output_errors(path, hint):
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(doc, indent=2) + "\n")
-        os.replace(tmp, path)
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        raise OutputError(f"cannot write {path}: {exc.strerror or exc}; pass --out with a writable path") from exc
+    write_json_atomic(path, doc, hint)
     return path
 
 

@@ -1,11 +1,10 @@
 """ONNX export of a trained encoder: the query backbone (projection and prediction heads removed, never the
 momentum encoder) wrapped so the file takes raw pixels and returns unit-length embeddings.
 
-The file's contract (DESIGN.md, read back by ``indexer.encoder``): input ``images``, uint8 ``[N, H, W, 3]``
-RGB at the model's size, dynamic N; the graph casts to float, scales by 1/255, normalizes with the ImageNet
-mean/std and transposes to NCHW; output ``embeddings``, float32 ``[N, D]``, L2-normalized. ``metadata_props``
-carry everything a client needs (format and version, image size, resize policy, mean/std, embedding dim,
-arch, MoCo version, run id).
+The file's contract is :mod:`contracts.encoder_format` (read back by ``indexer.encoder``): uint8
+``[N, H, W, 3]`` RGB in, L2-normalized float32 ``[N, D]`` out, and ``metadata_props`` carrying everything a
+client needs (format and version, image size, resize policy, mean/std, embedding dim, arch, MoCo version,
+run id).
 
 Every export is checked before it is published: ONNX Runtime against PyTorch on real images from the run's
 data (generated shapes when the data is gone), batch sizes 1 and 7. The file is written to a temporary name
@@ -17,9 +16,8 @@ and timm ViTs alike with a dynamic batch axis, and is what timm's own ``onnx_exp
 from __future__ import annotations
 
 import copy
-import json
 import logging
-import os
+import tempfile
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -30,16 +28,28 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainer.augment import EVAL_RESIZE_POLICY, IMAGENET_MEAN, IMAGENET_STD
-from trainer.errors import ArtifactError, ConfigError, ExportError, OutputError
+from contracts.atomic import atomic_path, output_errors
+from contracts.encoder_format import (
+    ENCODER_FORMAT,
+    ENCODER_FORMAT_VERSION,
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    INPUT_NAME,
+    OUTPUT_NAME,
+    RESIZE_POLICY,
+    encode_metadata,
+)
+from contracts.errors import (
+    ArtifactError,
+    ConfigError,
+    DataError,
+    ExportError,
+    OutputError,
+)
+from contracts.images import check_image, decode_image, iter_image_files
 
 LOG = logging.getLogger(__name__)
 
-# Read by indexer.encoder (ONNX_FORMAT / ONNX_FORMAT_VERSION there); trainer never imports the indexer.
-ENCODER_FORMAT = "moco-retrieval/encoder"
-ENCODER_FORMAT_VERSION = 1
-INPUT_NAME = "images"
-OUTPUT_NAME = "embeddings"
 DEFAULT_OPSET = 17  # LayerNormalization is a single op from 17 on (ViT); ONNX Runtime >= 1.14 runs it
 MIN_OPSET, MAX_OPSET = 14, 20  # 14: scaled-dot-product attention decomposes; 20: newest we have verified
 VERIFY_BATCH_SIZES = (1, 7)
@@ -173,19 +183,13 @@ def embedding_dim(backbone: nn.Module, image_size: int) -> int:
 
 # -- verification images ---------------------------------------------------------------------------------------
 def _first_images(root: Path, count: int) -> list[Path]:
-    """Up to ``count`` readable images under ``root`` in sorted walk order, without scanning the whole tree."""
-    from trainer.imagefolder import IMAGE_EXTENSIONS, check_image
-
+    """Up to ``count`` readable images under ``root`` in walk order, without scanning the whole tree."""
     found: list[Path] = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-        for name in sorted(filenames):
-            if name.startswith(".") or not name.lower().endswith(IMAGE_EXTENSIONS):
-                continue
-            if check_image(Path(dirpath) / name) is None:
-                found.append(Path(dirpath) / name)
-                if len(found) == count:
-                    return found
+    for entry in iter_image_files(root):
+        if entry.skip_reason is None and check_image(root / entry.path) is None:
+            found.append(root / entry.path)
+            if len(found) == count:
+                break
     return found
 
 
@@ -198,16 +202,14 @@ def verification_images(data_dir: str | None, image_size: int, count: int = max(
     """
     from torchvision.transforms import v2 as T
 
-    from trainer.imagefolder import load_rgb
-
     geometry = T.Compose([T.Resize(image_size, antialias=True), T.CenterCrop(image_size)])
     if data_dir and Path(data_dir).is_dir():
         paths = _first_images(Path(data_dir), count)
         if len(paths) == count:
             try:
-                batch = np.stack([np.asarray(geometry(load_rgb(p)), dtype=np.uint8) for p in paths])
+                batch = np.stack([np.asarray(geometry(decode_image(p)), dtype=np.uint8) for p in paths])
                 return batch, f"{count} images from {data_dir}"
-            except OSError as exc:
+            except DataError as exc:
                 LOG.warning("cannot use images of %s for verification (%s); using generated ones", data_dir, exc)
     from trainer.demo_data import CLASSES, draw_shape
 
@@ -279,13 +281,9 @@ def _check_output(out: Path) -> None:
             if not parent.is_dir():
                 raise OutputError(f"cannot write {out}: {parent} is a file, not a folder; choose another --out")
             break
-    try:
+    with output_errors(out, "choose another --out"):
         out.parent.mkdir(parents=True, exist_ok=True)
-        probe = out.with_name(f".{out.name}.probe.{os.getpid()}")
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as exc:
-        raise OutputError(f"cannot write {out}: {exc.strerror or exc}; choose another --out") from exc
+        tempfile.NamedTemporaryFile(dir=out.parent, prefix=f".{out.name}.probe.").close()  # deleted on close
 
 
 def _metadata(cfg, ckpt: dict, image_size: int, dim: int, fp16: bool, opset: int) -> dict[str, str]:
@@ -296,9 +294,9 @@ def _metadata(cfg, ckpt: dict, image_size: int, dim: int, fp16: bool, opset: int
         "embedding_dim": dim,
         "arch": cfg.arch,
         "moco_version": cfg.moco_version,
-        "resize": EVAL_RESIZE_POLICY,
-        "mean": json.dumps(list(IMAGENET_MEAN)),
-        "std": json.dumps(list(IMAGENET_STD)),
+        "resize": RESIZE_POLICY,
+        "mean": IMAGENET_MEAN,
+        "std": IMAGENET_STD,
         "input": f"{INPUT_NAME}: uint8 [N, {image_size}, {image_size}, 3] RGB",
         "output": f"{OUTPUT_NAME}: float32 [N, {dim}] L2-normalized",
         "precision": "fp16" if fp16 else "fp32",
@@ -309,7 +307,7 @@ def _metadata(cfg, ckpt: dict, image_size: int, dim: int, fp16: bool, opset: int
         "torch_version": torch.__version__,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    return {key: str(value) for key, value in values.items()}
+    return encode_metadata(values)
 
 
 def build_onnx(backbone: nn.Module, image_size: int, metadata: dict[str, str], fp16: bool, opset: int):
@@ -393,12 +391,11 @@ def export_encoder(
     import onnx
 
     result = ExportResult(path=out, metadata=metadata, tolerance=tolerance)
-    tmp = out.with_name(f".{out.name}.tmp.{os.getpid()}")
-    try:
+    with atomic_path(out, hint="choose another --out") as tmp:  # published only once the check passed
         try:
             onnx.save(model, str(tmp))
-        except (OSError, ValueError) as exc:
-            raise OutputError(f"cannot write {out}: {getattr(exc, 'strerror', None) or exc}") from exc
+        except ValueError as exc:
+            raise OutputError(f"cannot write {out}: {exc}") from exc
         if verify:
             images, result.image_source = verification_images(cfg.data_dir, cfg.image_size)
             LOG.info("checking ONNX Runtime against PyTorch on %s", result.image_source)
@@ -408,9 +405,6 @@ def export_encoder(
             if not all(c.passed for c in result.checks):
                 figures = "; ".join(c.describe(tolerance) for c in result.checks)
                 raise ExportError(f"ONNX Runtime does not match PyTorch ({figures}); nothing written to {out}")
-        os.replace(tmp, out)
-    finally:
-        tmp.unlink(missing_ok=True)
     result.seconds = time.perf_counter() - tic
     LOG.debug("wrote %s (%.1f MB) in %.1f s", out, out.stat().st_size / 1e6, result.seconds)
     return result

@@ -1,8 +1,8 @@
-"""Finding images in a folder tree and checking that they decode. Pure Python + Pillow (no torch).
+"""The training view of an image folder: the images that decode, their labels, and the files skipped.
 
-A folder is scanned recursively in a deterministic (sorted) order. When the images sit in first-level
-subfolders, the subfolder name is the image's label (``root/cat/x.jpg`` -> ``cat``); images directly under
-the root are unlabeled. Hidden files and folders (names starting with ``.``) are ignored.
+The walk and decode rules are :mod:`contracts.images` (the same as ``moco index``); this module adds the
+checks training needs up front: every file is verified before the run starts, so an unreadable one is listed
+in the run directory's ``skipped_files.txt`` instead of failing an epoch.
 """
 from __future__ import annotations
 
@@ -11,15 +11,10 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from PIL import Image
-
-from trainer.errors import DataError
+from contracts.errors import DataError
+from contracts.images import check_image, no_images_message, walk_image_files
 
 LOG = logging.getLogger(__name__)
-
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff")
-# Pillow's decompression-bomb guard raises above 2x this many pixels; we refuse anything above it.
-MAX_IMAGE_PIXELS = 89_478_485
 
 
 @dataclass
@@ -48,85 +43,27 @@ class ImageList:
         return ImageList(self.root, [self.paths[i] for i in keep], [self.labels[i] for i in keep], list(self.skipped))
 
 
-def check_image(path: str | os.PathLike) -> str | None:
-    """Return ``None`` if the file is a readable image, else a one-line reason it is not.
-
-    Opens the header and verifies the file (which reads PNG chunks to the end and catches most truncation),
-    and refuses images over ``MAX_IMAGE_PIXELS`` (decompression bombs) without decoding them.
-    """
-    try:
-        if os.path.getsize(path) == 0:
-            return "empty file"
-        with Image.open(path) as im:
-            width, height = im.size
-            if width * height > MAX_IMAGE_PIXELS:
-                return f"too large ({width}x{height} pixels)"
-            im.verify()
-    except Image.DecompressionBombError as exc:
-        return f"too large ({exc})"
-    except (OSError, SyntaxError, ValueError, Image.UnidentifiedImageError) as exc:
-        return f"not a readable image ({type(exc).__name__}: {exc})".splitlines()[0]
-    return None
-
-
-def load_rgb(path: str | os.PathLike) -> Image.Image:
-    """Decode an image fully and convert it to RGB (grayscale, palette and alpha images included).
-
-    Raises:
-        OSError: the file is not a decodable image (truncated, corrupt, unknown format).
-    """
-    with Image.open(path) as im:
-        if im.size[0] * im.size[1] > MAX_IMAGE_PIXELS:
-            raise OSError(f"image too large ({im.size[0]}x{im.size[1]} pixels)")
-        im.load()
-        return im.convert("RGB")
-
-
-def _is_hidden(name: str) -> bool:
-    return name.startswith(".")
-
-
 def scan_image_folder(root: str | os.PathLike, verify: bool = True) -> ImageList:
-    """List the images under ``root``, sorted, with labels from the first-level subfolder.
+    """List the images under ``root`` (the rules of :func:`contracts.images.walk_image_files`).
 
     Args:
-        root: folder to scan recursively (symlinked folders are followed once).
-        verify: check each file with :func:`check_image` and move unreadable ones to ``skipped``.
+        root: folder to scan recursively.
+        verify: check each file with :func:`contracts.images.check_image` and move unreadable ones to
+            ``skipped``.
 
     Raises:
-        DataError: ``root`` is missing or not a folder, or holds no image files at all.
+        DataError: ``root`` is missing or not a folder, or holds no readable image at all.
     """
     root = Path(root)
-    if not root.exists():
-        raise DataError(f"image folder not found: {root}")
-    if not root.is_dir():
-        raise DataError(f"not a folder: {root}")
     result = ImageList(root=root)
-    seen_dirs: set[str] = set()
-    for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
-        real = os.path.realpath(dirpath)
-        if real in seen_dirs:  # a symlink loop or a second link to the same folder
-            dirnames[:] = []
+    for found in walk_image_files(root):
+        reason = found.skip_reason or (check_image(root / found.path) if verify else None)
+        if reason is not None:
+            LOG.warning("skipping %s: %s", found.path, reason)
+            result.skipped.append((found.path, reason))
             continue
-        seen_dirs.add(real)
-        dirnames[:] = sorted(d for d in dirnames if not _is_hidden(d))
-        rel_dir = os.path.relpath(dirpath, root)
-        label = None if rel_dir == "." else Path(rel_dir).parts[0]
-        for name in sorted(filenames):
-            if _is_hidden(name) or not name.lower().endswith(IMAGE_EXTENSIONS):
-                continue
-            rel = name if rel_dir == "." else os.path.join(rel_dir, name)
-            if verify:
-                reason = check_image(root / rel)
-                if reason is not None:
-                    LOG.warning("skipping %s: %s", rel, reason)
-                    result.skipped.append((rel, reason))
-                    continue
-            result.paths.append(rel)
-            result.labels.append(label)
+        result.paths.append(found.path)
+        result.labels.append(found.label)
     if not result.paths:
-        extra = f" ({len(result.skipped)} unreadable files skipped)" if result.skipped else ""
-        raise DataError(
-            f"no readable images in {root}{extra}; expected files ending in {', '.join(IMAGE_EXTENSIONS)}"
-        )
+        raise DataError(no_images_message(root, len(result.skipped)))
     return result

@@ -10,6 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 
+from contracts.knn import KNN_K, KNN_TEMPERATURE
+
 
 @torch.no_grad()
 def extract_features(backbone: nn.Module, loader: DataLoader, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -32,7 +34,7 @@ def extract_features(backbone: nn.Module, loader: DataLoader, device: torch.devi
 @torch.no_grad()
 def knn_predict(
     train_features: torch.Tensor, train_labels: torch.Tensor, query_features: torch.Tensor, num_classes: int,
-    k: int = 20, temperature: float = 0.07, exclude_self: bool = False, chunk: int = 1024,
+    k: int = KNN_K, temperature: float = KNN_TEMPERATURE, exclude_self: bool = False, chunk: int = 1024,
 ) -> torch.Tensor:
     """Class scores of each query by a weighted vote of its k nearest training samples.
 
@@ -66,7 +68,7 @@ def knn_predict(
 
 def knn_accuracy(
     train_features: torch.Tensor, train_labels: torch.Tensor, test_features: torch.Tensor | None = None,
-    test_labels: torch.Tensor | None = None, k: int = 20, temperature: float = 0.07,
+    test_labels: torch.Tensor | None = None, k: int = KNN_K, temperature: float = KNN_TEMPERATURE,
 ) -> float:
     """Top-1 accuracy (0-1) of weighted k-NN; leave-one-out on the training set when no test set is given."""
     num_classes = int(train_labels.max()) + 1

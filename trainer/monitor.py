@@ -11,9 +11,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from contracts.errors import DataError
+from contracts.knn import KNN_K, KNN_TEMPERATURE
 from trainer.augment import eval_transform
 from trainer.data import FolderDataset, eval_loader
-from trainer.errors import DataError
 from trainer.imagefolder import ImageList, scan_image_folder
 from trainer.knn import extract_features, knn_accuracy
 
@@ -45,7 +46,7 @@ class KnnMonitor:
         batch_size, workers: feature-extraction loader settings.
     """
 
-    def __init__(self, folder: str | Path, image_size: int, k: int = 20, temperature: float = 0.07,
+    def __init__(self, folder: str | Path, image_size: int, k: int = KNN_K, temperature: float = KNN_TEMPERATURE,
                  max_images: int = 5000, batch_size: int = 256, workers: int = 0):
         folder = Path(folder)
         split = next((folder / name for name in ("val", "test") if (folder / name).is_dir()), None)

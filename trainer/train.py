@@ -11,7 +11,6 @@ import logging
 import os
 import random
 import secrets
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,13 +20,29 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
+from contracts.atomic import link_or_copy_atomic, write_text_atomic
+from contracts.errors import ConfigError, DataError, OutputError
 from trainer import dist
-from trainer.build import build_model, build_optimizer, build_transform, key_momentum_at, lr_at, memory_format
-from trainer.checkpoint import (CHECKPOINT_FORMAT, CHECKPOINT_VERSION, LAST, load_checkpoint, rng_state,
-                                save_atomic, set_rng_state)
+from trainer.build import (
+    build_model,
+    build_optimizer,
+    build_transform,
+    key_momentum_at,
+    lr_at,
+    memory_format,
+)
+from trainer.checkpoint import (
+    CHECKPOINT_FORMAT,
+    CHECKPOINT_VERSION,
+    LAST,
+    load_checkpoint,
+    rng_state,
+    save_atomic,
+    set_rng_state,
+)
 from trainer.config import RESUME_MUST_MATCH, TrainConfig
 from trainer.data import FolderDataset, training_loader
-from trainer.errors import ConfigError, DataError, OutputError
+from trainer.device import resolve_device
 from trainer.imagefolder import scan_image_folder
 from trainer.monitor import KnnMonitor
 from trainer.plots import plot_metrics
@@ -50,21 +65,6 @@ class TrainResult:
     images: int
     skipped: int
     model: torch.nn.Module | None = None  # the trained MoCo model (unwrapped from DDP), on its device
-
-
-def resolve_device(name: str, local_rank: int = 0) -> torch.device:
-    """``auto`` -> this process's GPU when CUDA is usable, else the CPU. Raises ConfigError for an absent GPU."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise ConfigError(f"--device {name} requested but no CUDA GPU is usable here; use --device cpu")
-        index = int(name.split(":")[1]) if ":" in name else local_rank
-        if index >= torch.cuda.device_count():
-            raise ConfigError(f"--device cuda:{index} does not exist ({torch.cuda.device_count()} GPUs visible)")
-        torch.cuda.set_device(index)
-        return torch.device("cuda", index)
-    return torch.device("cpu")
 
 
 MIN_BN_GROUP = 16
@@ -141,11 +141,11 @@ def _truncate_metrics(path: Path, last_step: int) -> None:
     """Drop metric rows logged after the checkpoint we resume from (they will be logged again)."""
     if path.exists():
         rows = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= last_step]
-        path.write_text("".join(row + "\n" for row in rows))
+        write_text_atomic(path, "".join(row + "\n" for row in rows))
 
 
 def _write_skipped(path: Path, skipped: dict[str, str]) -> None:
-    path.write_text("".join(f"{rel}\t{reason}\n" for rel, reason in sorted(skipped.items())))
+    write_text_atomic(path, "".join(f"{rel}\t{reason}\n" for rel, reason in sorted(skipped.items())))
 
 
 def _find_knn_folder(cfg: TrainConfig, labeled_training_data: bool) -> str | None:
@@ -254,7 +254,7 @@ def _train(cfg: TrainConfig, device: torch.device, resume, stop_at_epoch) -> Tra
         start_epoch, start_batch = start_epoch + 1, 0
     skipped = {rel: reason for rel, reason in images.skipped}
     if is_main:
-        (run_dir / CONFIG).write_text(cfg.to_json() + "\n")
+        write_text_atomic(run_dir / CONFIG, cfg.to_json() + "\n")
         _write_skipped(run_dir / SKIPPED, skipped)
         LOG.info(
             "training MoCo v%d %s on %d images (%d skipped) for %d epochs: %d processes x %d images, %d steps/epoch, "
@@ -333,7 +333,7 @@ def _train(cfg: TrainConfig, device: torch.device, resume, stop_at_epoch) -> Tra
             LOG.info("epoch %d/%d: loss %.4f, %.0f images/s%s", epoch + 1, cfg.epochs, loss_value, seen / epoch_time, knn_text)
             _save(run_dir, cfg, model, optimizer, epoch + 1, step)
             if (epoch + 1) % cfg.save_every == 0 or epoch + 1 == cfg.epochs:
-                _keep_copy(run_dir / LAST, run_dir / f"checkpoint_{epoch + 1:04d}.pt")
+                link_or_copy_atomic(run_dir / LAST, run_dir / f"checkpoint_{epoch + 1:04d}.pt")
             plot_metrics(run_dir / METRICS, run_dir / PLOT)
         dist.barrier()
     if ckpt is not None and end_epoch <= start_epoch:
@@ -356,14 +356,3 @@ def _save(run_dir: Path, cfg: TrainConfig, model, optimizer, epoch: int, step: i
         "rng": rng_state(),
         "torch_version": torch.__version__,
     }, run_dir / LAST)
-
-
-def _keep_copy(src: Path, dst: Path) -> None:
-    """Keep ``src`` also as ``dst`` (a hard link when the filesystem allows, else a copy), atomically."""
-    tmp = dst.with_name(f".{dst.name}.tmp.{os.getpid()}")
-    tmp.unlink(missing_ok=True)
-    try:
-        os.link(src, tmp)
-    except OSError:
-        shutil.copy2(src, tmp)
-    os.replace(tmp, dst)

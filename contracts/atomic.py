@@ -1,0 +1,114 @@
+"""Atomic file writes, the one implementation every stage uses: write a temporary file in the target's folder,
+flush and fsync it, rename it over the target, fsync the folder. A crash at any moment leaves the old file or
+the new one, never a half-written one, and a failure removes the temporary file.
+
+An ``OSError`` while writing becomes an :class:`~contracts.errors.OutputError` with a one-line message
+(:class:`output_errors`), so a full disk reads "disk full while writing X", not a traceback.
+"""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+from typing import IO, Iterator
+
+from contracts.errors import OutputError
+
+
+class output_errors:
+    """Context manager: an OSError while writing ``what`` (full disk, permissions...) becomes an OutputError."""
+
+    def __init__(self, what: str | os.PathLike, hint: str = "choose a writable location"):
+        self.what = what
+        self.hint = hint
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None or not issubclass(exc_type, OSError):
+            return False
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise OutputError(f"disk full while writing {self.what}; free some space and rerun the same command "
+                              "(finished work is kept)") from exc
+        raise OutputError(f"cannot write {self.what} ({exc.strerror or exc}); {self.hint}") from exc
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """Make a rename inside ``path`` durable (a no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+
+
+@contextmanager
+def atomic_path(path: str | os.PathLike, hint: str = "choose a writable location") -> Iterator[Path]:
+    """Yield a temporary path next to ``path``; when the block ends without an error, the file written there
+    is fsynced and renamed over ``path``. For writers that want a path (memory maps, ``onnx.save``)."""
+    path = Path(path)
+    with output_errors(path, hint):
+        fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        yield tmp
+        with output_errors(path, hint):
+            _fsync_file(tmp)
+            os.replace(tmp, path)
+            fsync_dir(path.parent)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+@contextmanager
+def atomic_write(path: str | os.PathLike, mode: str = "wb", hint: str = "choose a writable location") -> Iterator[IO]:
+    """Yield an open file (``mode`` ``"wb"`` or ``"w"``) that replaces ``path`` atomically when the block ends
+    without an error. ``f.name`` is the temporary path (to check the file before it is published)."""
+    with atomic_path(path, hint) as tmp:
+        with output_errors(path, hint), open(tmp, mode) as f:
+            yield f
+            f.flush()
+
+
+def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:
+    with atomic_write(path, "wb") as f:
+        f.write(data)
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+    with atomic_write(path, "w") as f:
+        f.write(text)
+
+
+def write_json_atomic(path: str | os.PathLike, obj, hint: str = "choose a writable location") -> None:
+    """``obj`` as indented, key-sorted JSON (one trailing newline), atomically."""
+    with atomic_write(path, "w", hint) as f:
+        json.dump(obj, f, indent=2, sort_keys=True)
+        f.write("\n")
+
+
+def link_or_copy_atomic(src: str | os.PathLike, dst: str | os.PathLike) -> None:
+    """Make ``dst`` hold ``src``'s content: a hard link when the filesystem allows (files that are never
+    modified in place can share their blocks), else a copy; atomically either way."""
+    with atomic_path(dst) as tmp:
+        tmp.unlink()
+        try:
+            os.link(src, tmp)
+        except OSError:
+            shutil.copyfile(src, tmp)

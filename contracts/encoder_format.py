@@ -1,0 +1,121 @@
+"""The encoder file's contract: what ``moco export`` writes and ``moco index`` / ``moco serve`` / ``moco eval``
+read. Pure Python + numpy + Pillow (no torch, no onnx).
+
+An encoder is one ONNX file. Input :data:`INPUT_NAME`, uint8 ``[N, H, W, 3]`` RGB at the model's size, dynamic
+N; the graph casts, scales by 1/255, normalizes with :data:`IMAGENET_MEAN` / :data:`IMAGENET_STD` and
+transposes to NCHW itself. Output :data:`OUTPUT_NAME`, float32 ``[N, D]``, L2-normalized rows.
+
+``metadata_props`` are strings. :data:`REQUIRED_KEYS` say what the file is (``format`` =
+:data:`ENCODER_FORMAT`, ``format_version``) and how to feed it (``image_size``, ``resize``, ``mean``/``std``,
+``embedding_dim``); provenance keys (``run_id``, ``checkpoint_epoch`` ...) may follow. :func:`encode_metadata`
+and :func:`decode_metadata` are each other's inverse; :func:`validate_metadata` is the one check a reader runs.
+
+The resize policy :data:`RESIZE_POLICY` (``shorter_side_center_crop``) is implemented by
+:func:`preprocess_image`: resize the shorter side to ``image_size`` (the longer to ``int(size * long / short)``)
+with PIL bilinear (antialiased), then center-crop a square with torchvision's offset rounding
+``int(round((h - size) / 2))``. It equals torchvision's ``Resize(size)`` + ``CenterCrop(size)``, the trainer's
+evaluation transform, so a model is served exactly as it was measured.
+"""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+from PIL import Image
+
+from contracts.errors import ArtifactError, ConfigError
+
+ENCODER_FORMAT = "moco-retrieval/encoder"
+ENCODER_FORMAT_VERSION = 1
+INPUT_NAME = "images"
+OUTPUT_NAME = "embeddings"
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+RESIZE_POLICY = "shorter_side_center_crop"
+RESIZE_POLICIES = (RESIZE_POLICY,)
+
+# metadata_props are strings; these keys are decoded to numbers / lists, every other key stays a string.
+INT_KEYS = ("format_version", "image_size", "embedding_dim", "moco_version", "opset", "checkpoint_epoch",
+            "checkpoint_step")
+JSON_KEYS = ("mean", "std")
+REQUIRED_KEYS = ("format", "format_version", "image_size", "embedding_dim", "arch", "moco_version", "resize",
+                 "mean", "std")
+
+
+def encode_metadata(meta: dict) -> dict[str, str]:
+    """Every value as the string stored in ``metadata_props`` (lists as JSON)."""
+    return {key: json.dumps(list(value)) if key in JSON_KEYS else str(value) for key, value in meta.items()}
+
+
+def decode_metadata(props: dict[str, str]) -> dict:
+    """Decode raw ``metadata_props`` strings: ints for :data:`INT_KEYS`, float lists for :data:`JSON_KEYS`.
+
+    Raises:
+        ValueError: a typed key holds a value that does not parse.
+    """
+    meta: dict = {}
+    for key, value in props.items():
+        if key in INT_KEYS:
+            meta[key] = int(value)
+        elif key in JSON_KEYS:
+            meta[key] = [float(v) for v in json.loads(value)]
+        else:
+            meta[key] = value
+    return meta
+
+
+def validate_metadata(props: dict[str, str], where: str) -> dict:
+    """Decode and check the ``metadata_props`` of the file ``where``.
+
+    Returns:
+        The decoded metadata.
+
+    Raises:
+        ArtifactError: not a moco-retrieval encoder, keys missing or malformed, a newer format, an unknown
+            resize policy.
+    """
+    if props.get("format") != ENCODER_FORMAT:
+        raise ArtifactError(f"{where} is not a moco-retrieval encoder (create one with `moco export RUN_DIR`)")
+    missing = [key for key in REQUIRED_KEYS if key not in props]
+    if missing:
+        raise ArtifactError(f"{where} lacks encoder metadata {', '.join(missing)}; export it again with `moco export`")
+    try:
+        meta = decode_metadata(props)
+    except ValueError as exc:
+        raise ArtifactError(f"{where} has malformed encoder metadata ({exc}); export it again") from exc
+    if meta["format_version"] > ENCODER_FORMAT_VERSION:
+        raise ArtifactError(f"{where} has encoder format {meta['format_version']}, newer than this moco-retrieval "
+                            f"reads ({ENCODER_FORMAT_VERSION}); upgrade moco-retrieval")
+    if meta["resize"] not in RESIZE_POLICIES:
+        raise ArtifactError(f"{where} declares resize policy {meta['resize']!r}, unknown here; upgrade moco-retrieval")
+    if meta["image_size"] < 1 or meta["embedding_dim"] < 1 or len(meta["mean"]) != 3 or len(meta["std"]) != 3:
+        raise ArtifactError(f"{where} has inconsistent encoder metadata; export it again with `moco export`")
+    return meta
+
+
+def resized_size(width: int, height: int, image_size: int) -> tuple[int, int]:
+    """``(w, h)`` after resizing the shorter side to ``image_size`` (torchvision's ``Resize(int)`` rule)."""
+    short, long = (width, height) if width <= height else (height, width)
+    new_short, new_long = image_size, int(image_size * long / short)
+    return (new_short, new_long) if width <= height else (new_long, new_short)
+
+
+def preprocess_image(image: Image.Image, image_size: int, resize: str = RESIZE_POLICY) -> np.ndarray:
+    """One RGB image as the encoder's input row: uint8 ``[image_size, image_size, 3]`` (see the module docstring).
+
+    A pure function: safe to call in worker processes without a session.
+
+    Raises:
+        ConfigError: unknown ``resize`` policy.
+    """
+    if resize not in RESIZE_POLICIES:
+        raise ConfigError(f"unknown resize policy {resize!r}; expected one of {', '.join(RESIZE_POLICIES)}")
+    if image.mode != "RGB":
+        image = image.convert("RGB")
+    new_w, new_h = resized_size(*image.size, image_size)
+    if (new_w, new_h) != image.size:  # torchvision skips the resample when the size already matches
+        image = image.resize((new_w, new_h), resample=Image.BILINEAR)
+    top = int(round((new_h - image_size) / 2.0))  # Python's round (half to even), as torchvision does
+    left = int(round((new_w - image_size) / 2.0))
+    image = image.crop((left, top, left + image_size, top + image_size))
+    return np.asarray(image, dtype=np.uint8)

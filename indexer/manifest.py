@@ -1,0 +1,110 @@
+"""``manifest.json``: what one published generation of an index directory holds, written by ``moco index``
+(:mod:`indexer.build`) and read by :mod:`indexer.index_dir` and :mod:`serve`.
+
+:class:`IndexManifest` is the one type for it: :meth:`IndexManifest.write` and :meth:`IndexManifest.read`
+round-trip it through JSON, :meth:`IndexManifest.read` refuses files that are not ours or are newer than this
+code, and :meth:`IndexManifest.check_encoder` is the one check that an encoder made these vectors.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from contracts.atomic import write_json_atomic
+from contracts.errors import ArtifactError
+
+INDEX_FORMAT = "moco-retrieval/index"
+INDEX_FORMAT_VERSION = 1
+
+
+@dataclass
+class IndexManifest:
+    """One generation of an index directory (see ``docs/ARCHITECTURE.md``, "Index directory")."""
+
+    generation: str  # this generation's name, e.g. g000003
+    model_sha256: str  # sha256 of the encoder.onnx that made the vectors
+    embedding_dim: int  # D of every vector
+    factory: str  # FAISS factory string of vectors.faiss
+    count: int  # live items (== vectors.faiss ntotal)
+    next_id: int  # the first id never used (ids are never reused)
+    image_root: str  # absolute folder that item paths are relative to
+    created_at: str = ""  # ISO 8601 UTC of the first generation of this directory
+    updated_at: str = ""  # ISO 8601 UTC of this generation
+    model: dict = field(default_factory=dict)  # the encoder's arch, moco_version, image_size, resize, run_id
+    metric: str = "inner_product"  # FAISS metric (on L2-normalized vectors: cosine similarity)
+    normalized: bool = True  # vectors are L2-normalized
+    dtype: str = "float32"  # vector dtype before any compression
+    index_type: str = "auto"  # what --index-type asked for
+    search_params: dict = field(default_factory=dict)  # tuned {"nprobe": n} / {"efSearch": n} / {}
+    recall_at_10: float | None = None  # measured against exact search (1.0 for exact indexes)
+    exact: bool = False  # the index is exact (Flat)
+    trained_on: int = 0  # vectors the index was trained on (IVF)
+    built_on_gpu: bool = False  # training / adding ran on a GPU
+    duplicates: int = 0  # live items whose content (sha256) an earlier item already has
+    skipped: int = 0  # unreadable files remembered in meta.lmdb
+    labels: dict = field(default_factory=dict)  # label -> live item count
+    labels_csv: str | None = None  # the --labels CSV, when labels came from one
+    vector_blocks: list = field(default_factory=list)  # vectors/<name>.{ids,vec}.npy blocks this generation uses
+    last_update: dict = field(default_factory=dict)  # added, updated, removed, unchanged by the run that made it
+    library_versions: dict = field(default_factory=dict)  # faiss, lmdb, onnxruntime, numpy
+    format: str = INDEX_FORMAT
+    format_version: int = INDEX_FORMAT_VERSION
+
+    # -- JSON -------------------------------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def write(self, path: str | os.PathLike) -> None:
+        """Write ``manifest.json`` atomically."""
+        write_json_atomic(Path(path), self.to_dict())
+
+    @classmethod
+    def read(cls, path: str | os.PathLike) -> "IndexManifest":
+        """Read and check a generation's ``manifest.json``.
+
+        Fields this version does not know (written by a newer minor version) are ignored.
+
+        Raises:
+            ArtifactError: missing, not JSON, not an index manifest, of a newer format, or incomplete.
+        """
+        path = Path(path)
+        try:
+            raw = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise ArtifactError(f"index manifest not found: {path}; build the index with `moco index`") from None
+        except (OSError, ValueError) as exc:
+            raise ArtifactError(f"unreadable index manifest {path} ({exc}); rebuild with `moco index --rebuild`"
+                                ) from exc
+        if not isinstance(raw, dict) or raw.get("format") != INDEX_FORMAT:
+            raise ArtifactError(f"{path} is not a moco-retrieval index manifest; build the index with `moco index`")
+        if not isinstance(raw.get("format_version"), int) or raw["format_version"] > INDEX_FORMAT_VERSION:
+            raise ArtifactError(f"{path} has index format {raw.get('format_version')}, newer than this "
+                                f"moco-retrieval reads ({INDEX_FORMAT_VERSION}); upgrade moco-retrieval")
+        known = {f.name for f in dataclasses.fields(cls)}
+        try:
+            return cls(**{k: v for k, v in raw.items() if k in known})
+        except TypeError as exc:  # a required field is missing
+            raise ArtifactError(f"index manifest {path} is incomplete ({exc}); rebuild with `moco index --rebuild`"
+                                ) from exc
+
+    # -- checks -----------------------------------------------------------------------------------------------
+    def check_encoder(self, encoder, where: str, remedy: str) -> None:
+        """Refuse an encoder that did not make these vectors.
+
+        Args:
+            encoder: anything with ``sha256``, ``embedding_dim`` and ``path`` (an ``OnnxEncoder``).
+            where: the index directory, for the message.
+            remedy: what the user should do, appended to the message.
+
+        Raises:
+            ArtifactError: another model (sha256), or vectors of another dimension.
+        """
+        if encoder.sha256 != self.model_sha256:
+            raise ArtifactError(f"index {where} was built with another model ({self.model_sha256[:12]}; "
+                                f"{encoder.path} is {encoder.sha256[:12]}); {remedy}")
+        if encoder.embedding_dim != self.embedding_dim:
+            raise ArtifactError(f"index {where} holds {self.embedding_dim}-d vectors, but {encoder.path} makes "
+                                f"{encoder.embedding_dim}-d ones; {remedy}")
