@@ -1,19 +1,19 @@
-"""Learning curves: k-NN top-1 accuracy against training steps for named MoCo recipes on the generated demo data.
+"""Learning curves: k-NN top-1 against wall-clock minutes of ``moco train --time-budget``, per recipe and data set.
 
-Each recipe is one real ``moco train`` run in its own process, so several recipes can share one GPU (``--parallel``)
-or run one after another on a CPU. Every run logs k-NN accuracy (leave-one-out on the 1,600 labeled demo images)
-every ``--knn-every`` epochs; at ``--time-limit`` the runs still going are stopped and whatever they logged is kept.
-Writes a JSON of every curve and a plot beside it (same name, ``.png``).
+Each (data set, recipe) pair is one real ``moco train`` run in its own process, one after another (a curve
+against wall-clock time is only worth something measured alone: ``--lock`` takes an exclusive ``flock`` per
+run so other work on the machine can wait its turn). The monitor's k-NN accuracy (leave-one-out on a labeled
+folder, or ``train/`` as the memory bank and ``val/`` classified) is read back from ``metrics.jsonl`` with the
+budget clock's ``elapsed_s``; the point at 0 minutes is the randomly initialised network. Writes a JSON of every
+curve and a plot beside it (same name, ``.png``), one panel per data set.
 
-    # all recipes on one GPU, 10 at a time, fp32 like the CPU tests
-    python bench/learning_curves.py --device cuda --parallel 10 --extra=--no-amp --out bench/results/learning_curves_gpu.json
-    # one recipe on this CPU
-    python bench/learning_curves.py --recipes v3_r18_lr4.8_t0.2 --device cpu --out /tmp/curves.json
+    python bench/learning_curves.py --datasets demo tuxpaint=/work/datasets/tuxpaint_split \\
+        icons=/work/datasets/icons_split --recipes auto_v2 paper_v2 auto_v3 --budget 150s \\
+        --lock /tmp/moco-cpu.lock --out bench/results/learning_curves_cpu_budget.json
 
-The recipes share ``COMMON`` (32 px, batch 32, a 60-epoch schedule of 50 steps per epoch stopped at epoch 30):
-a 1,500-step look at how soon each recipe's features beat the random-init baseline (the step-0 point). A recipe's
-own options, then ``--extra``, come after ``COMMON`` on the command line, so they override it (argparse keeps the
-last value). Results of the three GPU rounds and of the CPU runs are in ``bench/results/learning_curves_*``.
+A data set is ``demo`` (the generated demo images, 8 classes x 200 at 64 px, as ``moco demo`` makes them) or
+``name=FOLDER``: a labeled folder (``FOLDER/<class>/...``), or one split into ``train/`` and ``val/`` (training
+on ``train/`` only, the monitor classifying ``val/`` against ``train/``).
 """
 from __future__ import annotations
 
@@ -29,119 +29,93 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-COMMON = ["--image-size", "32", "--batch-size", "32", "--epochs", "60", "--stop-at-epoch", "30", "--seed", "0", "--knn-every", "2",
-          "--save-every", "1000", "--log-every", "10"]
-R18 = ["--arch", "resnet18", "--stem", "imagenet"]
-# the v2 recipe of tests/test_learning.py (50.5% -> 87.6% k-NN after 1,400 CPU steps); variants append overrides
-V2 = ["--moco-version", "2", *R18, "--lr", "0.48", "--queue-size", "256", "--momentum", "0.99", "--temperature", "0.2",
-      "--bn-splits", "2"]
-V3_R18 = ["--moco-version", "3", *R18]
-V3_R18_FAST = [*V3_R18, "--lr", "4.8", "--temperature", "0.2", "--warmup-epochs", "1"]  # the v3 ResNet test's recipe
-VIT8 = ["--moco-version", "3", "--arch", "vit_tiny", "--patch-size", "8"]
-VIT8_FAST = [*VIT8, "--lr", "3e-3", "--warmup-epochs", "1"]  # the ViT test's recipe (batch 64 there)
+COMMON = ["--arch", "resnet18", "--image-size", "32", "--seed", "0", "--log-every", "10", "--save-every", "1000"]
 RECIPES: dict[str, list[str]] = {
-    "v2_r18": V2,
-    "v3_r18_paper": V3_R18,  # LARS lr 0.6 x 32/256, T 1.0
-    "v3_r18_t0.2": [*V3_R18, "--temperature", "0.2"],
-    "v3_r18_lr4.8": [*V3_R18, "--lr", "4.8"],
-    "v3_r18_lr4.8_t0.2": [*V3_R18, "--lr", "4.8", "--temperature", "0.2"],
-    "v3_r18_lr2.4_t0.5": [*V3_R18, "--lr", "2.4", "--temperature", "0.5"],
-    "v3_vit8_paper": VIT8,  # AdamW lr 1.5e-4 x 32/256, T 0.2
-    "v3_vit8_lr1.5e-3": [*VIT8, "--lr", "1.5e-3"],
-    "v3_vit8_lr6e-3": [*VIT8, "--lr", "6e-3"],
-    "v3_vit4_lr1.5e-3": [*VIT8, "--patch-size", "4", "--lr", "1.5e-3"],
-    # second round: a one-epoch warm-up (50 steps instead of 300-400), to learn within fewer CPU steps
-    "v2_r18_lr0.96": [*V2, "--lr", "0.96"],
-    "v2_r18_lr1.92": [*V2, "--lr", "1.92"],
-    "v3_r18_lr4.8_t0.2_w1": V3_R18_FAST,
-    "v3_r18_lr9.6_t0.2_w1": [*V3_R18_FAST, "--lr", "9.6"],
-    "v3_r18_lr4.8_t0.1_w1": [*V3_R18_FAST, "--temperature", "0.1"],
-    "v3_vit8_lr3e-3_w1": VIT8_FAST,
-    "v3_vit8_lr6e-3_w1": [*VIT8_FAST, "--lr", "6e-3"],
-    "v3_vit8_lr1.2e-2_w1": [*VIT8_FAST, "--lr", "1.2e-2"],
-    # third round: larger batches (cheaper per image on a CPU) and a second seed (how much the curves vary)
-    "v2_r18_seed1": [*V2, "--seed", "1", "--stop-at-epoch", "16"],
-    "v2_r18_bs64": [*V2, "--batch-size", "64", "--stop-at-epoch", "20"],
-    "v2_r18_bs128": [*V2, "--queue-size", "768", "--bn-splits", "4", "--batch-size", "128", "--stop-at-epoch", "40"],
-    "v3_r18_lr4.8_t0.2_w1_seed1": [*V3_R18_FAST, "--seed", "1", "--stop-at-epoch", "16"],
-    "v3_r18_lr4.8_t0.2_w1_bs64": [*V3_R18_FAST, "--batch-size", "64", "--stop-at-epoch", "20"],
-    "v3_r18_lr2.4_t0.2_w1_bs64": [*V3_R18_FAST, "--lr", "2.4", "--batch-size", "64", "--stop-at-epoch", "20"],
-    "v3_r18_lr4.8_t0.2_w1_bs128": [*V3_R18_FAST, "--batch-size", "128", "--stop-at-epoch", "40"],
-    "v3_vit8_lr3e-3_w1_seed1": [*VIT8_FAST, "--seed", "1", "--stop-at-epoch", "16"],
-    "v3_vit8_lr3e-3_w1_bs64": [*VIT8_FAST, "--batch-size", "64", "--stop-at-epoch", "20"],
+    "auto_v2": ["--moco-version", "2"],  # the default: MoCo v2, --recipe auto
+    "auto_v2_fp32": ["--moco-version", "2", "--no-amp"],  # the same in float32, to compare bf16 with
+    "paper_v2": ["--moco-version", "2", "--recipe", "paper", "--stem", "imagenet"],  # the papers' values
+    "auto_v3": ["--moco-version", "3"],
+    "paper_v3": ["--moco-version", "3", "--recipe", "paper", "--stem", "imagenet"],
+    "auto_v3_vit": ["--moco-version", "3", "--arch", "vit_tiny", "--patch-size", "8"],
 }
 
 
-def read_curves(metrics: Path) -> dict:
-    """``{"knn": [[step, acc], ...], "loss": [[step, loss], ...]}`` from a run's ``metrics.jsonl`` (empty if none)."""
-    knn, loss = [], []
+def read_curve(metrics: Path) -> dict:
+    """``{"knn": [[minutes, acc], ...], "steps": [[minutes, step], ...]}`` from a run's ``metrics.jsonl``."""
+    knn, steps = [], []
     if metrics.exists():
         for line in metrics.read_text().splitlines():
             try:
                 row = json.loads(line)
             except json.JSONDecodeError:  # a line cut off when the run was stopped
                 continue
+            minutes = (row.get("elapsed_s") or 0.0) / 60
             if row.get("kind") == "epoch" and row.get("knn_acc") is not None:
-                knn.append([row["step"], row["knn_acc"]])
+                knn.append([round(minutes, 4), row["knn_acc"]])
             if row.get("kind") == "step":
-                loss.append([row["step"], row["loss"]])
-    return {"knn": knn, "loss": loss}
+                steps.append([round(minutes, 4), row["step"]])
+    return {"knn": knn, "steps": steps}
 
 
-def run_recipes(names: list[str], data: Path, work: Path, device: str, workers: int, extra: list[str],
-                parallel: int, time_limit: float) -> dict:
-    """Run the recipes (at most ``parallel`` at once) until done or ``time_limit`` seconds; returns their curves."""
+def dataset_folders(spec: str, work: Path) -> tuple[str, Path, Path]:
+    """``(name, training folder, k-NN folder)`` of a ``--datasets`` entry."""
+    if spec == "demo":
+        from trainer.demo_data import write_demo_dataset
+
+        folder = write_demo_dataset(work / "demo-data", per_class=200, size=64, seed=0)
+        return "demo", folder, folder
+    name, _, folder = spec.partition("=")
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise SystemExit(f"--datasets {spec}: {folder} is not a folder")
+    train = folder / "train" if (folder / "train").is_dir() and (folder / "val").is_dir() else folder
+    return name, train, folder
+
+
+def run_one(name: str, recipe: str, train: Path, knn: Path, work: Path, budget: str, extra: list[str],
+            lock: str | None) -> dict:
+    out = work / f"{name}-{recipe}"
+    args = [*COMMON, *RECIPES[recipe], "--time-budget", budget, "--knn-dir", str(knn), *extra]
+    cmd = [sys.executable, "-m", "app.cli", "train", str(train), "--out", str(out), *args]
+    if lock:
+        cmd = ["flock", "-x", lock, *cmd]
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    if parallel > 1:
-        env.setdefault("OMP_NUM_THREADS", "1")  # processes share the cores; one thread each avoids oversubscription
-    pending, running, results = list(names), {}, {}
-    start = time.perf_counter()
-    while pending or running:
-        while pending and len(running) < parallel:
-            name = pending.pop(0)
-            args = [*COMMON, *RECIPES[name], "--device", device, "--workers", str(workers), *extra]  # last one wins
-            log = open(work / f"{name}.log", "w")
-            cmd = [sys.executable, "-m", "app.cli", "train", str(data), "--out", str(work / name), *args]
-            running[name] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO),
-                             time.perf_counter(), args)
-        time.sleep(1.0)
-        out_of_time = time.perf_counter() - start > time_limit
-        for name, (proc, began, args) in list(running.items()):
-            if proc.poll() is None and not out_of_time:
-                continue
-            if proc.poll() is None:
-                proc.terminate()
-                proc.wait(timeout=60)
-            del running[name]
-            results[name] = {"args": args, "returncode": proc.returncode, "stopped_at_time_limit": out_of_time,
-                             "seconds": time.perf_counter() - began, **read_curves(work / name / "metrics.jsonl")}
-            print(f"{name}: rc {proc.returncode}, k-NN {[(s, round(a, 3)) for s, a in results[name]['knn']]}",
-                  flush=True)
-        if out_of_time:
-            for name in pending:
-                results[name] = {"args": RECIPES[name], "returncode": None, "stopped_at_time_limit": True,
-                                 "seconds": 0.0, "knn": [], "loss": []}
-            pending = []
-    return results
+    tic = time.perf_counter()
+    with open(work / f"{name}-{recipe}.log", "w") as log:
+        returncode = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO).returncode
+    config = json.loads((out / "config.json").read_text()) if (out / "config.json").exists() else {}
+    result = {"args": args, "returncode": returncode, "wall_seconds": time.perf_counter() - tic,
+              "derived": {k: v["value"] for k, v in config.get("derived", {}).items()}, **read_curve(out / "metrics.jsonl")}
+    print(f"{name} {recipe}: rc {returncode}, k-NN {[(m, round(a, 3)) for m, a in result['knn']]}", flush=True)
+    return result
 
 
-def plot(results: dict, path: Path) -> None:
+def plot(report: dict, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(9, 5.5))
-    for name, res in sorted(results.items()):
-        if res["knn"]:
-            steps, accs = zip(*res["knn"])
-            ax.plot(steps, [100 * a for a in accs], marker="o", markersize=3, label=name,
-                    linestyle="-" if name.startswith("v3_r18") else "--" if name.startswith("v3_vit") else ":")
-    ax.set_xlabel("training steps")
-    ax.set_ylabel("k-NN top-1 (%), leave-one-out, 1,600 demo images")
-    ax.set_title("MoCo recipes on the generated demo data (step 0 = random init)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, ncol=2)
+    names = list(report["datasets"])
+    fig, axes = plt.subplots(1, len(names), figsize=(5.5 * len(names), 4.6), squeeze=False)
+    for ax, name in zip(axes[0], names):
+        runs = report["datasets"][name]["runs"]
+        initial = []
+        for recipe, res in runs.items():
+            if res["knn"]:
+                minutes, accs = zip(*res["knn"])
+                ax.plot(minutes, [100 * a for a in accs], marker="o", markersize=3, label=recipe,
+                        linestyle="--" if recipe.startswith("paper") else "-")
+                initial.append(100 * res["knn"][0][1])
+        if initial:
+            ax.axhline(sum(initial) / len(initial), color="grey", linestyle=":", linewidth=1.2,
+                       label="random init")
+        ax.set_title(f"{name} ({report['datasets'][name]['images']} training images)")
+        ax.set_xlabel(f"minutes of training (--time-budget {report['budget']}, 2 CPU cores)")
+        ax.set_ylabel("k-NN top-1 (%)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle("MoCo learning curves, ResNet-18 at 32 px: --recipe auto against the papers' values")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -149,30 +123,33 @@ def plot(results: dict, path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--recipes", nargs="+", default=list(RECIPES), choices=list(RECIPES), metavar="NAME",
-                   help=f"recipes to run (default all: {', '.join(RECIPES)})")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--workers", type=int, default=1, help="data-loading processes per run")
-    p.add_argument("--parallel", type=int, default=1, help="runs at once (several fit on one GPU)")
-    p.add_argument("--time-limit", type=float, default=3600.0, help="seconds; stop every run still going after this")
-    p.add_argument("--extra", default="", help="more `moco train` options for every run, e.g. --extra=--no-amp")
+    p.add_argument("--datasets", nargs="+", default=["demo"], metavar="demo|NAME=FOLDER")
+    p.add_argument("--recipes", nargs="+", default=["auto_v2", "paper_v2"], choices=list(RECIPES), metavar="NAME",
+                   help=f"recipes to run (from: {', '.join(RECIPES)})")
+    p.add_argument("--budget", default="150s", help="--time-budget of every run")
+    p.add_argument("--extra", default="", help="more `moco train` options for every run, e.g. --extra=--device=cuda")
+    p.add_argument("--lock", default=None, help="take this file's exclusive flock around each run")
     p.add_argument("--work", default=None, help="folder for the data and run directories (default: beside --out)")
-    p.add_argument("--out", default="bench/results/learning_curves.json")
+    p.add_argument("--out", default="bench/results/learning_curves_budget.json")
     args = p.parse_args(argv)
 
-    from trainer.demo_data import write_demo_dataset
+    from contracts.images import walk_image_files
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     work = Path(args.work) if args.work else out.with_suffix("")
     work.mkdir(parents=True, exist_ok=True)
-    data = write_demo_dataset(work / "data", per_class=200, size=32, seed=0)
-    results = run_recipes(args.recipes, data, work, args.device, args.workers, args.extra.split(), args.parallel,
-                          args.time_limit)
-    report = {"benchmark": "learning_curves", "host": platform.node(), "device": args.device,
-              "common_args": COMMON, "extra_args": args.extra.split(), "recipes": results}
-    out.write_text(json.dumps(report, indent=1) + "\n")
-    plot(results, out.with_suffix(".png"))
+    report = {"benchmark": "learning_curves", "host": platform.node(), "cpu_count": os.cpu_count(),
+              "budget": args.budget, "common_args": COMMON, "extra_args": args.extra.split(), "command":
+              " ".join(sys.argv), "datasets": {}}
+    for spec in args.datasets:
+        name, train, knn = dataset_folders(spec, work)
+        entry = report["datasets"][name] = {"train": str(train), "knn": str(knn), "runs": {},
+                                            "images": len(walk_image_files(train))}
+        for recipe in args.recipes:
+            entry["runs"][recipe] = run_one(name, recipe, train, knn, work, args.budget, args.extra.split(), args.lock)
+            out.write_text(json.dumps(report, indent=1) + "\n")  # partial results survive an interruption
+    plot(report, out.with_suffix(".png"))
     print(f"wrote {out} and {out.with_suffix('.png')}")
     return report
 

@@ -18,6 +18,11 @@ from typing import IO, Iterator
 
 from contracts.errors import OutputError
 
+# mkstemp creates files readable by their owner only; a published file gets the usual mode (0666 less the umask),
+# so a server running as another user can read an index or an encoder. Read once: os.umask can only be set to read.
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)
+
 
 class output_errors:
     """Context manager: an OSError while writing ``what`` (full disk, permissions...) becomes an OutputError."""
@@ -64,6 +69,7 @@ def atomic_path(path: str | os.PathLike, hint: str = "choose a writable location
     path = Path(path)
     with output_errors(path, hint):
         fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        os.fchmod(fd, 0o666 & ~_UMASK)
         os.close(fd)
     tmp = Path(tmp_name)
     try:

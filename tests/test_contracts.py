@@ -199,6 +199,9 @@ def test_atomic_write__a_failure_keeps_the_old_file_and_leaves_no_temporary(tmp_
     assert sorted(p.name for p in tmp_path.iterdir()) == ["state.json"]
     write_text_atomic(target, "new\n")
     assert target.read_text() == "new\n"
+    umask = os.umask(0)
+    os.umask(umask)
+    assert target.stat().st_mode & 0o777 == 0o666 & ~umask  # the usual mode, not mkstemp's owner-only 0600
     link_or_copy_atomic(target, tmp_path / "copy.json")
     assert (tmp_path / "copy.json").read_text() == "new\n"
     with pytest.raises(OutputError, match="cannot write"):

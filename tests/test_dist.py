@@ -39,3 +39,11 @@ def test_ddp_v2__ranks_end_with_identical_parameters_and_queue(shapes_dir, tmp_p
     # training moved the weights: the query encoder differs from a fresh initialisation's key copy
     assert not torch.equal(rank0["params"]["encoder_q.head.0.weight"], rank0["params"]["encoder_k.head.0.weight"])
     assert (tmp_path / "run" / "checkpoint_last.pt").exists()
+
+
+def test_ddp_v2__time_budget_run_plans_and_stops_at_the_same_step_on_every_rank(shapes_dir, tmp_path):
+    cfg = tiny_train_config(shapes_dir, tmp_path / "run", epochs=None, time_budget="8s", batch_size=16, queue_size=32)
+    rank0, rank1 = run_two_ranks(cfg, tmp_path / "state")
+    assert rank0["steps"] == rank1["steps"] > 0  # rank 0's clock decided for both
+    for name, value in rank0["params"].items():
+        assert torch.equal(value, rank1["params"][name]), name  # the same schedule on both ranks

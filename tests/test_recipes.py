@@ -29,7 +29,8 @@ def test_auto_v2__small_batch_recipe_on_the_demo_data_size():
 
 
 def test_auto_v2__scales_with_data_and_run_length():
-    big = _resolve(100_000, total_steps=100_000)
+    assert _resolve(100_000).batch_size == 32  # on a CPU: small batches learn most per minute
+    big = _resolve(100_000, total_steps=100_000, on_gpu=True)
     assert big.batch_size == 256 and big.queue_size == 16384 and big.momentum == pytest.approx(0.999)
     assert big.effective_lr == pytest.approx(0.12)  # capped: 0.48 x 256/256 would be 4x the peak that learned
     assert _resolve(1600, on_gpu=True).stem == "small"

@@ -238,15 +238,14 @@ _JITTER_OPS = (
 
 
 def _apply_to(x: torch.Tensor, mask: torch.Tensor, fn) -> torch.Tensor:
-    """``x`` with ``fn(x[idx], idx)`` written back where ``mask`` is True (nothing computed for the others)."""
+    """``x`` with ``fn(x[idx], idx)`` written back, in place, where ``mask`` is True (nothing computed for the
+    others). ``x`` must be a tensor the caller owns (``apply_view`` works on its own crop)."""
     idx = mask.nonzero().squeeze(1)
     if idx.numel() == 0:
         return x
     if idx.numel() == x.shape[0]:
         return fn(x, idx)
-    x = x.clone()
-    x[idx] = fn(x[idx], idx)
-    return x
+    return x.index_copy_(0, idx, fn(x.index_select(0, idx), idx))
 
 
 def crop_resize(pixels: torch.Tensor, boxes: torch.Tensor, size: int) -> torch.Tensor:

@@ -334,22 +334,39 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, x1: tor
     return loss.detach()
 
 
-def _calibrate(s: Session) -> None:
-    """Fix a budgeted run's length from the measured speed, and everything that depends on it (keeping time
-    for the monitor's evaluations, the checkpoints and the final evaluation)."""
-    budget = s.budget
-    saves = budget.remaining() / CHECKPOINT_INTERVAL + 2
+def _plan_total(s: Session) -> int:
+    """The steps of a budgeted run that fit at the measured speed, keeping time for the monitor's evaluations,
+    the checkpoints and the final evaluation."""
+    saves = s.budget.remaining() / CHECKPOINT_INTERVAL + 2
     evaluations = (MONITOR_EVALUATIONS + 1) if s.monitor is not None else 0
-    total = budget.estimate_total(s.step, evaluations * s.eval_seconds + saves * s.save_seconds)
+    return s.budget.estimate_total(s.step, evaluations * s.eval_seconds + saves * s.save_seconds)
+
+
+def _apply_plan(s: Session, total: int) -> None:
+    """Fix a budgeted run's length and everything that depends on it."""
+    budget = s.budget
     budget.total_steps = total
     s.cfg = resolve_schedule(s.cfg, s.variant, total, s.steps_per_epoch)
     s.schedule = _schedule(s.cfg, s.variant, total, s.steps_per_epoch)
     if s.is_main:
-        rate = s.cfg.batch_size / budget.seconds_per_step
+        rate = s.cfg.batch_size / budget.seconds_per_step if budget.seconds_per_step else float("nan")
         LOG.info("time budget %s: measured %.0f images/s, so %d steps (%.1f epochs), %d of them warm-up; %.0f s left",
                  s.cfg.time_budget, rate, total, total / s.steps_per_epoch, s.schedule.warmup_steps,
                  budget.remaining())
         write_text_atomic(s.run_dir / CONFIG, s.cfg.to_json() + "\n")
+
+
+def _budget_control(s: Session) -> bool:
+    """After a step of a budgeted run: plan the run once the calibration is due, and say whether to stop. Rank
+    0's clock decides both for every rank (each rank must follow the same schedule and stop at the same step)."""
+    plan = _plan_total(s) if s.budget.calibration_due() and s.is_main else None
+    stop = s.budget.should_stop(s.step) if s.is_main else False
+    if dist.world_size() > 1:
+        plan, stop = dist.broadcast_object((plan, stop))
+    if plan is not None:
+        _apply_plan(s, plan)
+        stop = stop or s.budget.should_stop(s.step)
+    return stop
 
 
 def run_epoch(s: Session, epoch: int, end_step: int) -> dict:
@@ -383,8 +400,6 @@ def run_epoch(s: Session, epoch: int, end_step: int) -> dict:
             now = time.perf_counter()
             if s.budget is not None:  # the whole step: waiting for the batch, augmenting, training
                 s.budget.record_step(steps_this_epoch - 1, now - last)
-                if s.budget.calibration_due():
-                    _calibrate(s)
             last = now
             images_per_s = seen / (time.perf_counter() - tic)
             bar.set_postfix(loss=f"{losses[-1]:.3f}", lr=f"{lr:.4f}", img_s=f"{images_per_s:.0f}")
@@ -398,7 +413,7 @@ def run_epoch(s: Session, epoch: int, end_step: int) -> dict:
             if s.step >= end_step:
                 stopped = "steps"
                 break
-            if s.budget is not None and _stop_for_time(s):
+            if s.budget is not None and _budget_control(s):
                 stopped = "time budget"
                 break
     except KeyboardInterrupt:
@@ -412,12 +427,10 @@ def run_epoch(s: Session, epoch: int, end_step: int) -> dict:
     return {"losses": losses, "seen": seen, "seconds": time.perf_counter() - tic, "stopped": stopped}
 
 
-def _stop_for_time(s: Session) -> bool:
-    """Every rank stops at the same step: rank 0's clock decides."""
-    stop = s.budget.should_stop(s.step)
-    if dist.world_size() > 1:
-        stop = bool(dist.broadcast_object(stop))
-    return stop
+def _out_of_time(s: Session) -> bool:
+    """Before an epoch of a budgeted run: whether the budget is already spent (rank 0's clock decides)."""
+    stop = s.budget.should_stop(s.step) if s.is_main else False
+    return bool(dist.broadcast_object(stop)) if dist.world_size() > 1 else stop
 
 
 def _elapsed(s: Session) -> float | None:
@@ -465,7 +478,7 @@ def run(s: Session, stop_at_epoch: int | None = None) -> TrainResult:
     stopped = None
     start_step = s.step
     while s.step < end_step and stopped is None:
-        if s.budget is not None and _stop_for_time(s):
+        if s.budget is not None and _out_of_time(s):
             stopped = "time budget"
             break
         epoch = s.epoch
