@@ -130,6 +130,27 @@ def iter_image_files(root: str | os.PathLike) -> Iterator[FoundFile]:
             yield FoundFile(rel, label, st.st_size, st.st_mtime_ns, reason)
 
 
+def find_image_file(root: str | os.PathLike, rel: str) -> FoundFile | None:
+    """The one file ``root / rel`` as the walk would report it, or ``None`` when the walk would not list it
+    (not an image name, a hidden component, or no such file): for updates that name their changed files
+    instead of rescanning the folder."""
+    parts = Path(rel).parts
+    if not parts or Path(rel).is_absolute() or ".." in parts or any(is_hidden(p) for p in parts):
+        return None
+    if not is_image_name(parts[-1]):
+        return None
+    rel = Path(rel).as_posix()
+    label = parts[0] if len(parts) > 1 else None
+    try:
+        st = os.stat(Path(root) / rel)
+    except FileNotFoundError:
+        return FoundFile(rel, label, 0, 0, "broken symlink") if os.path.islink(Path(root) / rel) else None
+    except OSError as exc:
+        return FoundFile(rel, label, 0, 0, f"cannot stat ({exc.strerror or exc})")
+    reason = None if stat.S_ISREG(st.st_mode) else f"{_file_kind(st.st_mode)}, not an image file"
+    return FoundFile(rel, label, st.st_size, st.st_mtime_ns, reason)
+
+
 def _log_walk_error(exc: OSError) -> None:
     LOG.warning("cannot list %s: %s", exc.filename, exc.strerror)
 

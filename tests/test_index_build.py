@@ -30,16 +30,9 @@ def _cfg(data: Path, model: Path, out: Path, **kw) -> IndexConfig:
     return IndexConfig(str(data), str(model), str(out), **values)
 
 
-def _faiss_ids(index: faiss.Index) -> set[int]:
-    if isinstance(index, faiss.IndexIDMap):
-        return set(faiss.vector_to_array(index.id_map).tolist())
-    invlists = faiss.extract_index_ivf(index).invlists
-    ids = []
-    for list_no in range(invlists.nlist):
-        n = invlists.list_size(list_no)
-        if n:
-            ids.extend(faiss.rev_swig_ptr(invlists.get_ids(list_no), n).tolist())
-    return set(ids)
+def _faiss_ids(index) -> set[int]:
+    """Every live id the generation's FAISS parts hold (base - removed + delta)."""
+    return set(index.ids().tolist())
 
 
 def _live(d: IndexDirectory) -> dict[str, int]:
@@ -175,7 +168,7 @@ def test_index__resume_after_sigkill_equals_uninterrupted_run(shapes_dir, index_
     deadline = time.monotonic() + 120
     try:
         while time.monotonic() < deadline and proc.poll() is None:
-            if len(list((killed / "work").glob("*.done"))) >= 3:
+            if len(list((killed / "work").rglob("shard_*.done"))) >= 3:
                 break
             time.sleep(0.005)
         assert proc.poll() is None, "indexing finished before it could be killed"
