@@ -188,14 +188,15 @@ def ivf_nlist(factory: str) -> int:
 
 def same_structure(built: str, wanted: str) -> bool:
     """True when an index built as ``built`` can keep serving where ``wanted`` is chosen now: the same kind
-    (and codec), and for IVF a list count within a factor of 2 of the wanted one (4 sqrt(n) moves with every
-    update; retraining is worth it only when it moved a lot)."""
+    (and codec: Flat, or PQ with as many sub-quantizers), and for IVF a list count within a factor of 2 of the
+    wanted one (4 sqrt(n) moves with every update; retraining is worth it only when it moved a lot)."""
     kind = index_kind(built)
     if kind != index_kind(wanted):
         return False
     if kind in ("ivf", "ivfpq"):
         ratio = ivf_nlist(built) / max(1, ivf_nlist(wanted))
-        return 0.5 <= ratio <= 2 and built.split(",")[1] == wanted.split(",")[1]
+        codec = [f.split(",")[1].split("x")[0] for f in (built, wanted)]  # PQ bits also move with small n
+        return 0.5 <= ratio <= 2 and codec[0] == codec[1]
     if kind == "custom":
         return built == wanted or built == f"IDMap2,{wanted}"
     return built == wanted
