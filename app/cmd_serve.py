@@ -15,9 +15,15 @@ The page at / is the web app (upload, paste or webcam; click a result to search 
 The API is documented at /docs. When `moco index` publishes a new generation of INDEX_DIR, the server
 switches to it without a restart.
 
+Several processes: --workers N starts N server processes on the same port (connections are spread over
+them). The index is memory-mapped, so they share one copy of it in memory; each one switches to a newly
+published generation by itself. With GPUs (and a FAISS that sees them), Flat and IVF indexes are searched
+on them (--faiss-gpu); HNSW and on-disk IVF-PQ stay on the CPU, as do searches deeper than 2048.
+
 examples:
   moco serve index/                              # http://127.0.0.1:7860/
   moco serve index/ --host 0.0.0.0 --port 8000   # reachable from other machines
+  moco serve index/ --workers 4 --no-ui          # 4 API processes sharing one memory-mapped index
 """
 
 EPILOG_SEARCH = """\
@@ -36,21 +42,37 @@ examples:
 """
 
 
-def _engine_config(args, poll_seconds: float):
+def _engine_config(args, poll_seconds: float, **extra):
     import logging
 
     logging.getLogger("faiss.loader").setLevel(logging.WARNING)  # its INFO lines list CPU variants it tried
     from serve.engine import EngineConfig
 
-    return EngineConfig(model=args.model, device=args.device, threads=args.threads, poll_seconds=poll_seconds)
+    return EngineConfig(model=args.model, device=args.device, threads=args.threads, poll_seconds=poll_seconds,
+                        **extra)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from app.server import check_port, serve_forever
+    from app.server import check_port, serve_forever, serve_workers
     from serve.engine import SearchEngine
 
     check_port(args.host, args.port)  # before the (slower) engine start
-    with SearchEngine(args.index_dir, _engine_config(args, poll_seconds=args.poll_seconds)) as engine:
+    if args.workers != 1:
+        from contracts.errors import ConfigError
+        from indexer.encoder import available_cores
+        from serve.generation import ServedGeneration
+
+        if args.workers < 1:
+            raise ConfigError(f"--workers must be at least 1, got {args.workers}")
+        threads = args.threads or max(1, available_cores() // args.workers)  # the cores, shared by the workers
+        config = _engine_config(args, poll_seconds=args.poll_seconds, faiss_gpu=args.faiss_gpu)
+        config.threads = threads
+        # open and check the index and its model once here, so that a bad one fails in one line, not N times
+        ServedGeneration.open(args.index_dir, model=args.model, device="cpu", threads=1).retire()
+        serve_workers(args.index_dir, config, args.host, args.port, ui=args.ui, workers=args.workers)
+        return 0
+    config = _engine_config(args, poll_seconds=args.poll_seconds, faiss_gpu=args.faiss_gpu)
+    with SearchEngine(args.index_dir, config) as engine:
         serve_forever(engine, args.host, args.port, ui=args.ui)
     return 0
 
@@ -115,6 +137,12 @@ def register(sub) -> None:
     p.add_argument("--poll-seconds", type=float, default=1.0,
                    help="how often to check INDEX_DIR for a newly published index (default 1; 0 never)")
     p.add_argument("--no-ui", dest="ui", action="store_false", help="serve only the JSON API, without the web app")
+    p.add_argument("--workers", type=int, default=1,
+                   help="server processes on the port, sharing one memory-mapped index (default 1); the encoder "
+                        "threads are split between them unless --threads is given")
+    p.add_argument("--faiss-gpu", default="auto", choices=("auto", "none", "one", "all"),
+                   help="search Flat / IVF indexes on GPU 0 (one), sharded over all GPUs (all), or on the CPU "
+                        "(none); auto uses all GPUs when FAISS sees any (default)")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("search", help="print the indexed images most similar to an image",
