@@ -75,9 +75,14 @@ def test_serve_workers__two_processes_answer_and_both_hot_swap(private_index, en
         assert new != old
         _until(lambda s: set(s) >= set(workers) and all(s[p] == {new} for p in workers), url, query)
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            pytest.fail("moco serve --workers 2 did not stop on Ctrl-C")
+        _interrupt(proc)
+
+
+def _interrupt(proc: subprocess.Popen) -> None:
+    """Ctrl-C: the supervisor stops its workers and exits."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise AssertionError("moco serve --workers 2 did not stop on Ctrl-C") from None
