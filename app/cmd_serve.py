@@ -60,21 +60,41 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.workers != 1:
         from contracts.errors import ConfigError
         from indexer.encoder import available_cores
-        from serve.generation import ServedGeneration
 
         if args.workers < 1:
             raise ConfigError(f"--workers must be at least 1, got {args.workers}")
         threads = args.threads or max(1, available_cores() // args.workers)  # the cores, shared by the workers
         config = _engine_config(args, poll_seconds=args.poll_seconds, faiss_gpu=args.faiss_gpu)
         config.threads = threads
-        # open and check the index and its model once here, so that a bad one fails in one line, not N times
-        ServedGeneration.open(args.index_dir, model=args.model, device="cpu", threads=1).retire()
+        _check_index(args.index_dir, args.model)  # once here: a bad index fails in one line, not in N workers
         serve_workers(args.index_dir, config, args.host, args.port, ui=args.ui, workers=args.workers)
         return 0
     config = _engine_config(args, poll_seconds=args.poll_seconds, faiss_gpu=args.faiss_gpu)
     with SearchEngine(args.index_dir, config) as engine:
         serve_forever(engine, args.host, args.port, ui=args.ui)
     return 0
+
+
+def _check_index(index_dir: str, model: str | None) -> None:
+    """Open the live generation and check its model without starting an encoder (the supervisor of the
+    workers stays small).
+
+    Raises:
+        ArtifactError: not an index directory, unreadable, or ``model`` is not the model it was built with.
+    """
+    import hashlib
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from indexer.encoder import read_encoder_metadata
+    from indexer.index_dir import IndexDirectory
+
+    with IndexDirectory.open(index_dir) as directory:
+        path = Path(model) if model else directory.encoder_path
+        meta = read_encoder_metadata(path)
+        encoder = SimpleNamespace(path=path, sha256=hashlib.sha256(path.read_bytes()).hexdigest(),
+                                  embedding_dim=meta["embedding_dim"])
+        directory.manifest.check_encoder(encoder, str(index_dir), "serve it with the model it was built with")
 
 
 def cmd_search(args: argparse.Namespace) -> int:

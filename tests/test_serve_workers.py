@@ -86,3 +86,10 @@ def _interrupt(proc: subprocess.Popen) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         raise AssertionError("moco serve --workers 2 did not stop on Ctrl-C") from None
+
+
+def test_serve_workers__a_bad_index_fails_once_in_one_line(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "app.cli", "serve", str(tmp_path / "nope"), "--workers", "2",
+                           "--port", str(free_port())], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 4
+    assert proc.stderr.strip().startswith("moco: error: index directory not found") and "\n" not in proc.stderr.strip()
