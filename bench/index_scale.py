@@ -111,13 +111,16 @@ class SyntheticCorpus:
         """Put the vectors of ``entries`` (ScanEntry) that no finished shard holds into ``shards``."""
         tic = time.perf_counter()
         pending = [e for e in entries if shards.lookup(e.path, e.bytes, e.mtime_ns) is None]
-        numbers = np.array([item_number(e.path) for e in pending], dtype=np.int64)
-        vectors = self.vectors(numbers) if len(pending) else np.zeros((0, self.encoder.embedding_dim), np.float32)
-        t_vectors = time.perf_counter() - tic
-        for e, v in zip(pending, vectors):
-            shards.add({"path": e.path, "stat_bytes": e.bytes, "mtime_ns": e.mtime_ns,
-                        "sha256": hashlib.sha256(e.path.encode()).hexdigest(), "width": 32, "height": 32,
-                        "bytes": e.bytes, "error": None}, v)
+        t_vectors = 0.0
+        for start in range(0, len(pending), CHUNK):  # a chunk at a time: 10M rows would be 20 GB at once
+            part = pending[start:start + CHUNK]
+            toc = time.perf_counter()
+            vectors = self.vectors(np.array([item_number(e.path) for e in part], dtype=np.int64))
+            t_vectors += time.perf_counter() - toc
+            for e, v in zip(part, vectors):
+                shards.add({"path": e.path, "stat_bytes": e.bytes, "mtime_ns": e.mtime_ns,
+                            "sha256": hashlib.sha256(e.path.encode()).hexdigest(), "width": 32, "height": 32,
+                            "bytes": e.bytes, "error": None}, v)
         shards.flush()
         total = time.perf_counter() - tic
         return {"embedded": len(pending), "resumed": len(entries) - len(pending), "embed": total,

@@ -179,7 +179,8 @@ class LayeredIndex:
             RuntimeError: a removed or unknown id, or one no part can give back (as FAISS does).
         """
         item_id = int(item_id)
-        if len(self.removed) and item_id in set(self.removed.tolist()):
+        pos = np.searchsorted(self.removed, item_id)
+        if pos < len(self.removed) and self.removed[pos] == item_id:
             raise RuntimeError(f"id {item_id} was removed")
         for part in (self.delta, self.base):
             if part is None:
