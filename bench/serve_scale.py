@@ -142,6 +142,7 @@ def http_level(index_dir: Path, workers: int, seconds: float) -> dict:
             payloads.append(buffer.getvalue())
         url = f"http://127.0.0.1:{port}/api/search"
         pids: set[str] = set()
+        phases: list[dict] = []
         local = threading.local()
 
         def one(i: int):
@@ -151,9 +152,11 @@ def http_level(index_dir: Path, workers: int, seconds: float) -> dict:
                     local.client.close()
                 local.client, local.used = httpx.Client(timeout=60), 0
             local.used += 1
+            tic = time.perf_counter()
             r = local.client.post(url, params={"k": 10}, files={"image": ("q.png", payloads[i % 32])})
             r.raise_for_status()
             pids.add(r.headers["x-moco-worker"])
+            phases.append({**r.json()["timings"], "client": time.perf_counter() - tic})
 
         with ThreadPoolExecutor(2 * workers) as pool:
             list(pool.map(one, range(8 * workers)))  # warm-up: every worker loaded and answering
@@ -163,8 +166,10 @@ def http_level(index_dir: Path, workers: int, seconds: float) -> dict:
                 n += 16
             elapsed = time.perf_counter() - tic
         memory = [smaps(pid) for pid in sorted(pids)]
+        timed = phases[8 * workers:]
+        median_ms = {k: round(1000 * float(np.median([t[k] for t in timed])), 2) for k in timed[0]}
         return {"workers": workers, "requests_per_s": round(n / elapsed, 1), "workers_seen": len(pids),
-                "memory": memory, "supervisor": smaps(proc.pid)}
+                "median_ms": median_ms, "memory": memory, "supervisor": smaps(proc.pid)}
     finally:
         proc.terminate()
         proc.wait(timeout=60)
