@@ -62,7 +62,7 @@ class ExportError(MocoError):
 
 
 class IndexBuildError(MocoError):
-    """A FAISS index or metadata store that could not be built."""
+    """A FAISS index or metadata store that could not be built (or a rank of the build that stopped)."""
 
     exit_code = 7
     http_status = 500
