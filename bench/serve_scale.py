@@ -69,7 +69,7 @@ def _ground_truth(work: Path, index_dir: Path, xq: np.ndarray, k: int = 10) -> n
     return I
 
 
-def _search_worker(index_dir: str, xq: np.ndarray, seconds: float, start, results) -> None:
+def _search_worker(index_dir: str, xq: np.ndarray, seconds: float, start, done, results) -> None:
     import faiss
 
     from indexer.index_dir import IndexDirectory
@@ -86,7 +86,10 @@ def _search_worker(index_dir: str, xq: np.ndarray, seconds: float, start, result
             found.append((n % len(xq), I[0]))
             n += 1
         elapsed = time.perf_counter() - tic
-        results.put({"queries": n, "seconds": elapsed, "memory_loaded": loaded, "memory": smaps(),
+        done.wait()  # every process still has the index mapped: shared pages are counted as shared
+        memory = smaps()
+        done.wait()
+        results.put({"queries": n, "seconds": elapsed, "memory_loaded": loaded, "memory": memory,
                      "found": found[:len(xq)]})
 
 
@@ -94,8 +97,8 @@ def search_level(index_dir: Path, xq: np.ndarray, truth: np.ndarray, workers: in
     from indexer.faiss_index import recall_at_k
 
     ctx = multiprocessing.get_context("spawn")
-    start, results = ctx.Event(), ctx.Queue()
-    procs = [ctx.Process(target=_search_worker, args=(str(index_dir), xq, seconds, start, results))
+    start, done, results = ctx.Event(), ctx.Barrier(workers), ctx.Queue()
+    procs = [ctx.Process(target=_search_worker, args=(str(index_dir), xq, seconds, start, done, results))
              for _ in range(workers)]
     for p in procs:
         p.start()
