@@ -3,6 +3,9 @@ and 4 processes (JSON rows appended to the same file).
 
 For each worker count N:
 
+The index files and vector blocks are read once first (a warm page cache, as for a server that has been
+running; a cold one measures the disk).
+
 - **search**: N processes (spawned, like ``moco serve --workers N``) each open the live generation with
   :class:`indexer.index_dir.IndexDirectory` (memory-mapped, as the server does), search ``WARMUP`` queries
   untimed (paging the index in), then search held-out query vectors one at a time (k=10, one FAISS thread each: the server's micro-batch of one) for ``--seconds``;
@@ -91,6 +94,23 @@ def _search_worker(index_dir: str, xq: np.ndarray, seconds: float, start, done, 
         done.wait()
         results.put({"queries": n, "seconds": elapsed, "memory_loaded": loaded, "memory": memory,
                      "found": found[:len(xq)]})
+
+
+def warm_page_cache(index_dir: Path) -> float:
+    """Read the live generation's FAISS files and vector blocks once, so that every worker count is measured
+    with the index in the page cache (as a server that has been running is); returns the seconds it took."""
+    from indexer.index_dir import IndexDirectory
+    from indexer.layout import IndexLayout
+
+    tic = time.perf_counter()
+    with IndexDirectory.open(index_dir) as d:
+        files = [p for p in d.generation_path.iterdir() if p.suffix in (".faiss", ".ivfdata", ".npy")]
+        files += [p for b in d.manifest.vector_blocks for p in IndexLayout(index_dir).vector_block(b)]
+    for path in files:
+        with open(path, "rb") as f:
+            while f.read(16 << 20):
+                pass
+    return time.perf_counter() - tic
 
 
 def search_level(index_dir: Path, xq: np.ndarray, truth: np.ndarray, workers: int, seconds: float) -> dict:
@@ -190,6 +210,7 @@ def phase_serve(args, work: Path) -> None:
     info = {"count": manifest.count, "factory": manifest.factory, "search_params": manifest.search_params,
             "on_disk": manifest.on_disk, "generation": manifest.generation, "delta_count": manifest.delta_count,
             "removed_count": manifest.removed_count}
+    print(f"page cache warmed in {warm_page_cache(index_dir):.1f} s", flush=True)
     for workers in args.workers:
         row = search_level(index_dir, xq, truth, workers, args.seconds)
         _record(args, "serve_search", {"index": info, **row})
