@@ -156,7 +156,8 @@ class WorkShards:
             np.save(f, vectors)
         write_json_atomic(Path(f"{stem}.json"), self._pending_entries)
         write_text_atomic(Path(f"{stem}.done"), f"{len(self._pending_entries)}\n")  # the marker, last
-        self._vectors[key] = vectors
+        # keep the file's memory map, not the rows: 10M of them would stay in RAM (10 GB even as float16)
+        self._vectors[key] = np.load(f"{stem}.vec.npy", mmap_mode="r") if len(vectors) else vectors
         for entry in self._pending_entries:
             self._cache[entry["path"]] = (_pack(entry), key)
         self.flushed += len(self._pending_entries)
