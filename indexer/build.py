@@ -411,7 +411,7 @@ def _compaction_wanted(run: _Run, manifest: IndexManifest) -> bool:
     wanted = _wanted(cfg, max(1, manifest.count), manifest.embedding_dim)
     restructure = (not faiss_index.same_structure(manifest.factory, wanted.factory)
                    or wanted.on_disk != manifest.on_disk)
-    if restructure:
+    if restructure and (cfg.compact == "auto" or cfg.index_type != "auto"):  # never: only an explicit new type
         LOG.info("%s is now %s%s: rebuilding", manifest.factory, wanted.factory, " on disk" if wanted.on_disk else "")
         return True
     return cfg.compact == "auto" and update.needs_compaction(manifest)
