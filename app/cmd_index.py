@@ -81,7 +81,9 @@ def cmd_index(args: argparse.Namespace) -> int:
 
 
 def print_index_result(result) -> None:
-    """The summary table of a ``moco index`` run (and the skipped files)."""
+    """The summary table of a ``moco index`` run (and the skipped files, names shown readably)."""
+    from contracts.filenames import display_name
+
     t = result.timings
     rows = [
         ("index directory", result.index_dir),
@@ -108,6 +110,6 @@ def print_index_result(result) -> None:
     if result.skipped:
         print(f"skipped files (also in {result.report_path}):")
         for item in result.skipped[:20]:
-            print(f"  {item['path']}: {item['reason']}")
+            print(f"  {display_name(item['path'])}: {item['reason']}")
         if len(result.skipped) > 20:
             print(f"  ... and {len(result.skipped) - 20} more")

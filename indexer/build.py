@@ -25,6 +25,7 @@ import numpy as np
 
 from contracts.atomic import link_or_copy_atomic, output_errors, write_json_atomic
 from contracts.errors import ArtifactError, ConfigError, DataError, OutputError
+from contracts.filenames import display_name
 from indexer import faiss_index
 from indexer.decode import decode_files
 from indexer.encoder import OnnxEncoder, available_cores
@@ -197,7 +198,7 @@ def _build_locked(cfg: IndexConfig, layout: IndexLayout, image_root: Path, label
                                                                                 key=lambda s: s["path"])]
     if base is None and not readable:
         raise DataError(f"no readable images in {image_root} ({len(plan.skipped)} unreadable files, e.g. "
-                        f"{skipped_list[0]['path']}: {skipped_list[0]['reason']})")
+                        f"{display_name(skipped_list[0]['path'])}: {skipped_list[0]['reason']})")
     factory_now = None
     if base is not None and not plan.todo and not plan.removed_ids:
         factory_now = faiss_index.choose_factory(cfg.index_type, base.count, encoder.embedding_dim)
@@ -356,7 +357,7 @@ def _embed(cfg: IndexConfig, encoder: OnnxEncoder, image_root: Path, todo: list[
                 stats["decode_wait"] += time.perf_counter() - tic
             stats["decode_cpu"] += d.seconds
             if d.pixels is None:
-                LOG.warning("skipping %s: %s", d.path, d.error)
+                LOG.warning("skipping %s: %s", display_name(d.path), d.error)
                 shards.add(_entry(by_path[d.path], d), None)
                 bar.update(1)
                 continue

@@ -3,7 +3,7 @@
 Named databases (keys are bytes; ids are 8-byte big-endian so they iterate in id order; values are JSON):
 
     items       id -> record {id, path, label, width, height, bytes, sha256, mtime, mtime_ns, duplicate_of}
-    paths       relative path -> id            (live items only)
+    paths       relative path -> id            (live items only; keys: see path_key)
     sha256      sha256 hex -> [ids]            (live items with that content; the first is the original)
     tombstones  id -> {id, path, sha256, removed_in}   (ids that were live once; never reused)
     skipped     relative path -> {path, bytes, mtime_ns, reason}   (unreadable files, retried when they change)
@@ -17,6 +17,7 @@ environment (LMDB allows only one per file and process).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -27,6 +28,7 @@ from typing import Callable, Iterable, Iterator
 import lmdb
 
 from contracts.errors import ArtifactError, IndexBuildError, OutputError
+from contracts.filenames import decode_name, encode_name
 
 LOG = logging.getLogger(__name__)
 
@@ -38,6 +40,16 @@ WRITE_CHUNK = 10_000  # records per transaction when writing many
 
 def id_key(item_id: int) -> bytes:
     return int(item_id).to_bytes(8, "big", signed=False)
+
+
+MAX_KEY_BYTES = 511  # LMDB's compiled-in key limit (Environment.max_key_size())
+
+
+def path_key(path: str) -> bytes:
+    """The key of a relative path: its file-system bytes (``os.fsencode``: lossless, names that are not UTF-8
+    included); a path longer than LMDB's key limit is keyed by a NUL byte + its sha256 (no path holds a NUL)."""
+    raw = encode_name(path)
+    return raw if len(raw) <= MAX_KEY_BYTES else b"\0" + hashlib.sha256(raw).digest()
 
 
 def _dump(obj) -> bytes:
@@ -143,7 +155,7 @@ class MetadataStore:
             return [_load(txn.get(id_key(i))) if i >= 0 else None for i in ids]
 
     def id_of_path(self, path: str) -> int | None:
-        return self._get("paths", path.encode())
+        return self._get("paths", path_key(path))
 
     def ids_of_sha256(self, sha256: str) -> list[int]:
         return self._get("sha256", sha256.encode()) or []
@@ -168,12 +180,16 @@ class MetadataStore:
         """``(path, id)`` of every live item, in path order."""
         with self.env.begin(db=self._db["paths"], buffers=True) as txn:
             for key, value in txn.cursor():
-                yield bytes(key).decode(), _load(value)
+                item_id = _load(value)
+                if bytes(key[:1]) == b"\0":  # a long path, keyed by its hash: the record has it
+                    yield _load(txn.get(id_key(item_id), db=self._db["items"]))["path"], item_id
+                else:
+                    yield decode_name(key), item_id
 
     def skipped(self) -> dict[str, dict]:
         """Unreadable files remembered from earlier runs: path -> {path, bytes, mtime_ns, reason}."""
         with self.env.begin(db=self._db["skipped"], buffers=True) as txn:
-            return {bytes(k).decode(): _load(v) for k, v in txn.cursor()}
+            return {info["path"]: info for info in (_load(v) for _, v in txn.cursor())}
 
     # -- writing ----------------------------------------------------------------------------------------------
     def _write(self, fn: Callable[[lmdb.Transaction], object]):
@@ -208,8 +224,8 @@ class MetadataStore:
         txn.delete(key, db=db["items"])
         txn.put(key, _dump({"id": item_id, "path": rec["path"], "sha256": rec["sha256"], "removed_in": generation}),
                 db=db["tombstones"])
-        if _load(txn.get(rec["path"].encode(), db=db["paths"])) == item_id:
-            txn.delete(rec["path"].encode(), db=db["paths"])
+        if _load(txn.get(path_key(rec["path"]), db=db["paths"])) == item_id:
+            txn.delete(path_key(rec["path"]), db=db["paths"])
         sha_key = rec["sha256"].encode()
         same = [i for i in (_load(txn.get(sha_key, db=db["sha256"])) or []) if i != item_id]
         if not same:
@@ -237,7 +253,7 @@ class MetadataStore:
         same = _load(txn.get(sha_key, db=db["sha256"])) or []
         rec = dict(rec, duplicate_of=same[0] if same else None)
         txn.put(key, _dump(rec), db=db["items"])
-        txn.put(rec["path"].encode(), _dump(rec["id"]), db=db["paths"])
+        txn.put(path_key(rec["path"]), _dump(rec["id"]), db=db["paths"])
         txn.put(sha_key, _dump(same + [rec["id"]]), db=db["sha256"])
         next_id = _load(txn.get(b"next_id", db=db["info"])) or 0
         if rec["id"] >= next_id:
@@ -251,7 +267,7 @@ class MetadataStore:
         def fn(txn):
             txn.drop(self._db["skipped"], delete=False)
             for path, info in skipped.items():
-                txn.put(path.encode(), _dump(info), db=self._db["skipped"])
+                txn.put(path_key(path), _dump(info), db=self._db["skipped"])
         self._write(fn)
 
     def sync(self) -> None:
