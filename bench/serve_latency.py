@@ -101,6 +101,16 @@ def process_cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def machine_busy_seconds() -> float:
+    """CPU seconds all cores of this machine spent busy so far (Linux /proc/stat; 0.0 elsewhere)."""
+    try:
+        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except OSError:
+        return 0.0
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
 def run_level(url: str, payloads: list[bytes], concurrency: int, requests: int, warmup: int, k: int,
               server_pid: int) -> dict:
     import httpx
@@ -122,10 +132,12 @@ def run_level(url: str, payloads: list[bytes], concurrency: int, requests: int, 
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
         list(pool.map(one, range(warmup)))
         tic, server_cpu, client_cpu = time.perf_counter(), process_cpu_seconds(server_pid), time.process_time()
+        busy = machine_busy_seconds()
         results = list(pool.map(one, range(requests)))
         wall = time.perf_counter() - tic
         server_cpu = process_cpu_seconds(server_pid) - server_cpu
         client_cpu = time.process_time() - client_cpu
+        other_cpu = machine_busy_seconds() - busy - server_cpu - client_cpu
     latencies = [r[0] for r in results]
     server = {phase: percentiles([r[1][phase] for r in results]) for phase in PHASES}
     return {"concurrency": concurrency, "requests": requests, "seconds": wall, "throughput_rps": requests / wall,
@@ -133,7 +145,9 @@ def run_level(url: str, payloads: list[bytes], concurrency: int, requests: int, 
             "mean_batch_size": float(np.mean([r[2] for r in results])),
             # CPU per request of each side (both share the machine's cores)
             "server_cpu_ms_per_request": 1000 * server_cpu / requests,
-            "client_cpu_ms_per_request": 1000 * client_cpu / requests}
+            "client_cpu_ms_per_request": 1000 * client_cpu / requests,
+            # CPU the rest of the machine took meanwhile, in cores (other processes: noise in the figures)
+            "other_cpu_cores": max(0.0, other_cpu / wall)}
 
 
 def main() -> None:

@@ -331,11 +331,15 @@ def decode_image(source: str | os.PathLike | bytes, *, target_size: int | None =
             image = to_rgb(image)
             image.info["source_size"] = (height, width) if swapped else (width, height)
             return image
+    except DataError:
+        raise
     except Image.DecompressionBombError as exc:
         raise DataError(f"{name}: too large (more than {max_pixels:,} pixels)") from exc
     except Image.UnidentifiedImageError as exc:  # its text holds the repr of our file object: say it plainly
         raise DataError(f"{name}: not a readable image (unknown or corrupt format)") from exc
-    except (OSError, SyntaxError, ValueError, EOFError) as exc:
+    except MemoryError:
+        raise
+    except Exception as exc:  # OSError, SyntaxError, ValueError, EOFError, struct.error ...: hostile bytes
         raise DataError(f"{name}: not a readable image ({type(exc).__name__}: {exc})".splitlines()[0]) from exc
 
 
