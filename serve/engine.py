@@ -58,15 +58,19 @@ class EngineConfig:
 
     model: str | None = None    # serve with this encoder.onnx instead of the index's copy (must be the same model)
     device: str = "auto"        # encoder device: auto, cpu or cuda
-    threads: int | None = None  # encoder CPU threads (default: the usable cores)
+    # Encoder CPU threads (default: the usable cores). Measured with bench/serve_latency.py on 2 cores: with the
+    # bench's small-stem ResNet-18 (10 ms of CPU per image, the encoder is the bottleneck) 2 threads served 122
+    # req/s at 8 clients against 93 with 1; with the ImageNet stem (0.8 ms) 1 and 2 were within noise.
+    threads: int | None = None
     # Encoder threads spin-wait between runs (ONNX Runtime's default). Off: a server's runs come and go, and
-    # spinning threads take the cores the HTTP work needs (measured with bench/serve_latency.py, 2 cores, 8
-    # clients, ImageNet-stem ResNet-18: server CPU per request 4.2 -> 2.9 ms, 368 -> 382 req/s, p99 35 -> 34 ms).
+    # spinning threads take the cores the HTTP work needs (measured, 2 cores, 8 clients, ImageNet-stem
+    # ResNet-18: server CPU per request 4.2 -> 2.9 ms; 1 client: 10.7 -> 4.0 ms).
     spin: bool = False
     max_batch: int = 32         # most query images embedded together
     # How long the batcher waits for more concurrent queries after the first one. 0: a batch is whatever waits
     # when the worker is free (under load the queue fills while it runs, so batches still form), and a lone
-    # query never waits (measured, 1 client: p50 6.7 -> 3.4 ms with 2 ms; see docs/ARCHITECTURE.md).
+    # query never waits (measured, 1 client: p50 6.7 -> 3.4 ms against the former 2 ms; see
+    # docs/ARCHITECTURE.md, "Measured lessons").
     max_wait_ms: float = 0.0
     # Decodes running at once (default: the usable cores); more wait. Bounds the memory of concurrent uploads.
     decode_slots: int | None = None
@@ -215,16 +219,20 @@ class SearchEngine:
 
     @contextmanager
     def _generation(self) -> Iterator[ServedGeneration]:
-        while True:  # a swap may close the generation we read between the read and the acquire: retry
-            gen = self._current
-            if gen.acquire():
-                break
-            if self._stop.is_set():
-                raise ArtifactError(f"the search engine over {self.index_dir} was closed; open a new one")
+        gen = self._acquire()
         try:
             yield gen
         finally:
             gen.release()
+
+    def _acquire(self) -> ServedGeneration:
+        """A reference to the live generation (release it with ``release()``)."""
+        while True:  # a swap may close the generation we read between the read and the acquire: retry
+            gen = self._current
+            if gen.acquire():
+                return gen
+            if self._stop.is_set():
+                raise ArtifactError(f"the search engine over {self.index_dir} was closed; open a new one")
 
     def refresh(self) -> bool:
         """Switch to a newly published generation if there is one; True when it switched.
@@ -334,15 +342,55 @@ class SearchEngine:
             return self._results(gen, out, len(images), k, t0, t1, time.perf_counter())
 
     async def _neighbours_async(self, images: list, k: int) -> list[SearchResult]:
-        """Decode on a decode thread, await the micro-batch, read the records on the event loop (LMDB reads of a
-        published store: memory-mapped, lock-free, microseconds)."""
+        """Decode on a decode thread, which hands the rows straight to the batcher; the batch's end wakes the
+        event loop once (one loop wake-up per request instead of two: measured +6% requests/s at 8 clients),
+        which reads the records (LMDB reads of a published store: memory-mapped, lock-free, microseconds).
+
+        The generation stays referenced until its decode and batch are over, even when the awaiting request is
+        cancelled (the threads still use its encoder and index)."""
         loop = asyncio.get_running_loop()
-        with self._generation() as gen:
-            t0 = time.perf_counter()
-            rows = await loop.run_in_executor(self._decoders, self._decode, gen, images)
-            t1 = time.perf_counter()
-            out = await asyncio.wrap_future(self._batcher.submit(gen, rows, self._fetch_k(gen, k)))
-            return self._results(gen, out, len(images), k, t0, t1, time.perf_counter())
+        gen = self._acquire()
+        t0 = time.perf_counter()
+        fetch_k = self._fetch_k(gen, k)
+        done = loop.create_future()
+        state = {"over": False, "abandoned": False}
+        lock = threading.Lock()
+
+        def finish(outcome) -> None:  # in a decode or batcher thread, once
+            with lock:
+                state["over"] = True
+                abandoned = state["abandoned"]
+            if abandoned:
+                gen.release()
+            else:
+                loop.call_soon_threadsafe(lambda: done.cancelled() or done.set_result(outcome))
+
+        def decode_and_submit() -> None:
+            try:
+                rows = self._decode(gen, images)
+                t1 = time.perf_counter()
+                batch = self._batcher.submit(gen, rows, fetch_k)
+            except BaseException as exc:  # handed to the awaiting request, raised there
+                finish((exc, None))
+                return
+            batch.add_done_callback(lambda future: finish((future, t1)))
+
+        self._decoders.submit(decode_and_submit)
+        try:
+            got, t1 = await done
+        except asyncio.CancelledError:
+            with lock:
+                state["abandoned"] = True
+                over = state["over"]
+            if over:
+                gen.release()
+            raise
+        try:
+            if t1 is None:
+                raise got
+            return self._results(gen, got.result(), len(images), k, t0, t1, time.perf_counter())
+        finally:
+            gen.release()
 
     def search(self, images: list, k: int = SEARCH_K) -> list[SearchResult]:
         """The ``k`` nearest items to each query image.
