@@ -27,10 +27,10 @@ import onnxruntime as ort
 import torch
 
 from indexer.encoder import OnnxEncoder, available_cores
-from trainer.build import build_model
 from trainer.checkpoint import CHECKPOINT_FORMAT, CHECKPOINT_VERSION, LAST, save_atomic
 from trainer.config import TrainConfig
 from trainer.export import EncoderGraph, export_encoder, load_backbone
+from trainer.variants import build_model
 
 
 def random_run(run_dir: Path, moco_version: int, arch: str, image_size: int) -> Path:

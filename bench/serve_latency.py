@@ -37,7 +37,6 @@ def build_bench_index(work: Path, corpus: int, device: str, stem: str = "auto") 
     import torch
 
     from indexer.build import IndexConfig, build_index_dir
-    from trainer.build import build_model
     from trainer.checkpoint import (
         CHECKPOINT_FORMAT,
         CHECKPOINT_VERSION,
@@ -47,6 +46,7 @@ def build_bench_index(work: Path, corpus: int, device: str, stem: str = "auto") 
     from trainer.config import TrainConfig
     from trainer.demo_data import CLASSES, write_demo_dataset
     from trainer.export import export_encoder
+    from trainer.variants import build_model
 
     data, index = work / "images", work / "index"
     if (index / "CURRENT").is_file():  # built by an earlier run

@@ -1,17 +1,20 @@
-"""Training throughput: images/s of full MoCo training steps for a fixed configuration (JSON out).
+"""Training throughput in images/s (JSON out): compute-only next to end-to-end, fp32 and bf16.
 
-Measures the model side only (forward of both encoders, loss, backward, optimizer step) on synthetic
-normalised images already on the device, so the figure does not depend on disk or JPEG decoding.
-Each configuration runs ``--warmup`` steps untimed, then ``--steps`` timed steps.
+- ``compute``: the real optimizer step (:func:`trainer.train.train_step`: forward of both encoders, loss,
+  backward, optimizer) on two fixed batches of views already on the device: the ceiling.
+- ``end-to-end`` (``--data DIR``): a real image folder through the real run: the image cache, the loader, the
+  batched augmentations on the device and the same step (:func:`trainer.train.setup` and
+  :func:`trainer.train.run_epoch`), with the monitor and checkpoints off. The cache is built (or found)
+  before the clock starts, as in training.
 
-    python bench/train_throughput.py --arch resnet18 --image-size 32 64 --batch-size 128 --device cpu
-    # MoCo v3 at the paper's heads (projector 4096 -> 256, predictor), LARS for ResNet, AdamW for ViT;
-    # v2 is skipped for ViTs (it trains ResNets only)
-    python bench/train_throughput.py --moco-version 2 3 --arch resnet18 vit_tiny --image-size 32 --device cpu \
-        --out bench/results/train_throughput_v3.json
-    # GPU: the largest batch (doubling from --batch-size) that fits in bf16, then images/s at that batch
-    python bench/train_throughput.py --moco-version 2 --arch resnet50 --image-size 224 --device cuda --amp \
-        --batch-size 128 --max-batch 8192 --out bench/results/train_throughput_gpu.json
+Each measurement runs ``--warmup`` steps untimed, then ``--steps`` timed steps.
+
+    # the configuration of issue 11: ResNet-18, ImageNet stem, 32 px, batch 128, queue 4096, 2 workers
+    python bench/train_throughput.py --data /work/bench-data/fmnist10k --arch resnet18 --stem imagenet \\
+        --image-size 32 --batch-size 128 --queue-size 4096 --amp both --out bench/results/train_throughput_e2e_cpu.json
+    # GPU: MoCo v2 ResNet-50 at 224 px, bf16, the largest batch (doubling from --batch-size) that fits
+    python bench/train_throughput.py --arch resnet50 --image-size 224 --device cuda --amp on --batch-size 256 \\
+        --max-batch 4096 --out bench/results/train_throughput_gpu.json
 """
 from __future__ import annotations
 
@@ -19,66 +22,88 @@ import argparse
 import gc
 import json
 import platform
+import sys
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from trainer.build import (
-    build_model,
-    build_optimizer,
-    key_momentum_at,
-    lr_at,
-    memory_format,
-)
-from trainer.config import VITS, TrainConfig
-from trainer.device import resolve_device
-from trainer.train import resolve_bn_splits
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from trainer.config import VITS, TrainConfig  # noqa: E402
+from trainer.device import cpu_has_native_bf16, resolve_device  # noqa: E402
+from trainer.recipes import resolve_before_training, resolve_schedule  # noqa: E402
+from trainer.train import run_epoch, setup, train_step  # noqa: E402
+from trainer.variants import variant_for  # noqa: E402
 
 
-def measure(cfg: TrainConfig, steps: int, warmup: int) -> dict:
+def compute_only(cfg: TrainConfig, steps: int, warmup: int) -> dict:
+    """images/s of :func:`train_step` alone on synthetic views of ``cfg``'s size."""
     device = resolve_device(cfg.device)
     torch.manual_seed(0)
+    variant = variant_for(cfg)
+    cfg = resolve_before_training(cfg, variant, max(10_000, 64 * cfg.batch_size), 1, device.type == "cuda")
+    cfg = resolve_schedule(cfg, variant, 1000, 100)
     if device.type == "cuda":
-        torch.backends.cudnn.benchmark = True  # as in training: fixed shapes, so cuDNN may pick the fastest kernels
+        torch.backends.cudnn.benchmark = True
         torch.cuda.reset_peak_memory_stats(device)
-    layout = memory_format(cfg)
-    model = build_model(cfg, resolve_bn_splits(cfg.bn_splits, cfg.batch_size, 1)).to(device, memory_format=layout)
-    amp = bool(cfg.amp) if cfg.amp is not None else device.type == "cuda"
+    layout = variant.memory_format
+    model = variant.build_model(cfg, variant.bn_splits(cfg.bn_splits, cfg.batch_size, 1)).to(device, memory_format=layout)
     if cfg.compile:
         model.encoder_q.compile()
         model.encoder_k.compile()
-    optimizer = build_optimizer(cfg, model)
+    optimizer = variant.build_optimizer(cfg, model)
     x1 = torch.randn(cfg.batch_size, 3, cfg.image_size, cfg.image_size, device=device).contiguous(memory_format=layout)
     x2 = torch.randn_like(x1)
-
-    def step(i: int) -> None:
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(cfg, i, 1000) * group.get("lr_mult", 1.0)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
-            loss = model(x1, x2, key_momentum_at(cfg, i, 1000))
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-
-    for i in range(warmup):
-        step(i)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    for _ in range(warmup):
+        train_step(model, optimizer, x1, x2, 1e-3, 0.99, bool(cfg.amp))
+    _sync(device)
     tic = time.perf_counter()
-    for i in range(steps):
-        step(warmup + i)
+    for _ in range(steps):
+        train_step(model, optimizer, x1, x2, 1e-3, 0.99, bool(cfg.amp))
+    _sync(device)
+    elapsed = time.perf_counter() - tic
+    return _row("compute", cfg, device, steps, elapsed, optimizer)
+
+
+def end_to_end(cfg: TrainConfig, steps: int, warmup: int) -> dict:
+    """images/s of the real loop (cache -> loader -> batched augmentation -> step) on ``cfg.data_dir``."""
+    device = resolve_device(cfg.device)
+    with tempfile.TemporaryDirectory() as run_dir:
+        s = setup(cfg.replace(out_dir=run_dir, knn_every=0, save_every_steps=0, log_every=10**9), device)
+        s.monitor = None
+        done = 0
+        def advance(n: int) -> None:
+            nonlocal done
+            target = s.step + n
+            while s.step < target:
+                run_epoch(s, s.epoch, target)
+                if s.batch_in_epoch >= s.steps_per_epoch:
+                    s.epoch, s.batch_in_epoch = s.epoch + 1, 0
+        advance(warmup)
+        _sync(device)
+        tic = time.perf_counter()
+        advance(steps)
+        _sync(device)
+        elapsed = time.perf_counter() - tic
+        row = _row("end-to-end", s.cfg, device, steps, elapsed, s.optimizer)
+        row.update(images=len(s.paths), loader_workers=s.loader.num_workers, data_dir=str(cfg.data_dir))
+        return row
+
+
+def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
-    elapsed = time.perf_counter() - tic
+
+
+def _row(mode: str, cfg: TrainConfig, device: torch.device, steps: int, elapsed: float, optimizer) -> dict:
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     return {
-        "moco_version": cfg.moco_version, "arch": cfg.arch, "image_size": cfg.image_size,
+        "mode": mode, "moco_version": cfg.moco_version, "arch": cfg.arch, "image_size": cfg.image_size,
         "stem": cfg.resolved_stem if cfg.arch not in VITS else None, "batch_size": cfg.batch_size,
-        "device": str(device), "amp": amp,
-        "compile": cfg.compile, "optimizer": type(optimizer).__name__,
-        "patch_size": cfg.resolved_patch_size if cfg.arch in VITS else None,
-        "projector": f"{cfg.mlp_hidden or 'D'}->{cfg.dim}", "steps": steps, "seconds": elapsed,
+        "queue_size": cfg.queue_size, "device": str(device), "amp": bool(cfg.amp), "compile": cfg.compile,
+        "optimizer": type(optimizer).__name__, "steps": steps, "seconds": elapsed,
         "images_per_s": steps * cfg.batch_size / elapsed, "peak_gpu_memory_gib": peak,
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
     }
@@ -87,7 +112,7 @@ def measure(cfg: TrainConfig, steps: int, warmup: int) -> dict:
 def fits(cfg: TrainConfig) -> bool:
     """True when one training step at ``cfg.batch_size`` runs without running out of GPU memory."""
     try:
-        measure(cfg, steps=1, warmup=0)
+        compute_only(cfg, steps=1, warmup=0)
         return True
     except torch.OutOfMemoryError:
         return False
@@ -97,33 +122,38 @@ def fits(cfg: TrainConfig) -> bool:
 
 
 def largest_fitting_batch(cfg: TrainConfig, limit: int) -> int | None:
-    """The largest ``cfg.batch_size * 2**i <= limit`` whose training step fits in memory (None: not even the first)."""
+    """The largest ``cfg.batch_size * 2**i <= limit`` whose step fits in memory (None: not even the first)."""
     best, batch = None, cfg.batch_size
     while batch <= limit:
         if not fits(cfg.replace(batch_size=batch, queue_size=batch * 32)):
             break
-        print(f"  batch {batch} fits")
+        print(f"  batch {batch} fits", flush=True)
         best, batch = batch, batch * 2
     return best
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data", default=None, help="image folder: also measure end to end through the real loader")
     p.add_argument("--moco-version", type=int, nargs="+", default=[2])
     p.add_argument("--arch", nargs="+", default=["resnet18"])
-    p.add_argument("--image-size", type=int, nargs="+", default=[32, 64])
-    p.add_argument("--stem", default="auto")
+    p.add_argument("--image-size", type=int, nargs="+", default=[32])
+    p.add_argument("--stem", default="imagenet")
     p.add_argument("--patch-size", type=int, default=0, help="ViT patch size (0 = auto by image size)")
     p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--queue-size", type=int, default=4096)
+    p.add_argument("--workers", type=int, default=2)
     p.add_argument("--device", default="cpu")
-    p.add_argument("--amp", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--amp", choices=("off", "on", "both"), default="both", help="bf16 autocast")
     p.add_argument("--compile", action="store_true")
     p.add_argument("--max-batch", type=int, default=0,
                    help="GPU: double --batch-size up to this while a step fits in memory, then measure the largest")
-    p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--repeat", type=int, default=1, help="alternate the modes this many times (median reported)")
     p.add_argument("--out", default="bench/results/train_throughput.json")
     args = p.parse_args(argv)
+    amps = {"off": [False], "on": [True], "both": [False, True]}[args.amp]
     results = []
     for version in args.moco_version:
         for arch in args.arch:
@@ -131,28 +161,37 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 print(f"skipping MoCo v2 with {arch}: v2 trains ResNets only")
                 continue
             for size in args.image_size:
-                cfg = TrainConfig(
-                    data_dir="-", out_dir="-", moco_version=version, arch=arch, stem=args.stem, patch_size=args.patch_size, image_size=size,
-                    batch_size=args.batch_size, queue_size=args.batch_size * 32, device=args.device,
-                    amp=args.amp, compile=args.compile,
-                )
-                if args.max_batch:
-                    batch = largest_fitting_batch(cfg, args.max_batch)
-                    if batch is None:
-                        print(f"skipping v{version} {arch} {size}px: batch {args.batch_size} does not fit")
-                        continue
-                    cfg = cfg.replace(batch_size=batch, queue_size=batch * 32)
-                row = measure(cfg, args.steps, args.warmup)
-                if args.max_batch:  # the batch is the largest that fits unless the next doubling passed the limit
-                    row["batch_search"] = {"from": args.batch_size, "limit": args.max_batch,
-                                           "stopped_by": "limit" if cfg.batch_size * 2 > args.max_batch else "memory"}
-                print(json.dumps(row))
-                results.append(row)
+                for amp in amps:
+                    cfg = TrainConfig(
+                        data_dir=args.data or "-", out_dir="-", moco_version=version, arch=arch, stem=args.stem,
+                        patch_size=args.patch_size, image_size=size, batch_size=args.batch_size, epochs=1000,
+                        queue_size=args.queue_size if version == 2 else None, device=args.device, amp=amp,
+                        compile=args.compile, workers=args.workers, knn_every=0,
+                    )
+                    if args.max_batch:
+                        batch = largest_fitting_batch(cfg, args.max_batch)
+                        if batch is None:
+                            print(f"skipping v{version} {arch} {size}px: batch {args.batch_size} does not fit")
+                            continue
+                        cfg = cfg.replace(batch_size=batch, queue_size=batch * 32 if version == 2 else None)
+                    runs: dict[str, list[dict]] = {"compute": [], "end-to-end": []}
+                    for _ in range(args.repeat):
+                        runs["compute"].append(compute_only(cfg, args.steps, args.warmup))
+                        if args.data:
+                            runs["end-to-end"].append(end_to_end(cfg, args.steps, args.warmup))
+                    for mode, rows in runs.items():
+                        if not rows:
+                            continue
+                        rows.sort(key=lambda r: r["images_per_s"])
+                        row = dict(rows[len(rows) // 2], all_images_per_s=[round(r["images_per_s"], 1) for r in rows])
+                        print(json.dumps(row), flush=True)
+                        results.append(row)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
         "benchmark": "train_throughput", "host": platform.node(), "cpu_threads": torch.get_num_threads(),
-        "torch": torch.__version__, "results": results,
+        "cpu_native_bf16": cpu_has_native_bf16(), "torch": torch.__version__, "command": " ".join(sys.argv),
+        "results": results,
     }, indent=2) + "\n")
     print(f"wrote {out}")
     return results

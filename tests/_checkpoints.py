@@ -11,14 +11,15 @@ from pathlib import Path
 
 import torch
 
-from tests.conftest import tiny_train_config
-from trainer.build import build_model
+from tests.conftest import resolved_config, tiny_train_config
 from trainer.checkpoint import CHECKPOINT_FORMAT, CHECKPOINT_VERSION, LAST, save_atomic
+from trainer.variants import build_model
 
 
 def write_checkpoint(data_dir: Path | None, run_dir: Path, seed: int = 0, **overrides) -> Path:
     """Write ``run_dir/checkpoint_last.pt`` for ``tiny_train_config`` + ``overrides``; returns ``run_dir``."""
-    cfg = tiny_train_config(data_dir or run_dir / "no-data", run_dir, run_id=f"test-run-{seed}", **overrides)
+    cfg = resolved_config(tiny_train_config(data_dir or run_dir / "no-data", run_dir, run_id=f"test-run-{seed}",
+                                            **overrides))
     torch.manual_seed(seed)
     model = build_model(cfg, bn_splits=1)
     with torch.no_grad():

@@ -1,11 +1,20 @@
-"""Shared fixtures: small generated image folders (the embedded default data, at test size)."""
+"""Shared fixtures: small generated image folders (the embedded default data, at test size), and an image
+cache of the test session's own (never the user's ~/.cache)."""
 from __future__ import annotations
 
+import atexit
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
 
 from trainer.demo_data import write_demo_dataset
+
+# every training run of the suite, in this process or a subprocess, caches its decoded images here
+os.environ["MOCO_CACHE_DIR"] = tempfile.mkdtemp(prefix="moco-test-cache-")
+atexit.register(shutil.rmtree, os.environ["MOCO_CACHE_DIR"], True)
 
 
 @pytest.fixture(scope="session")
@@ -24,3 +33,14 @@ def tiny_train_config(data_dir: Path, out_dir: Path, **overrides):
     )
     values.update(overrides)
     return TrainConfig(**values)
+
+
+def resolved_config(cfg, num_images: int = 96):
+    """``cfg`` with every option a recipe would fill filled (as the run would, on ``num_images`` images)."""
+    from trainer.recipes import resolve_before_training, resolve_schedule
+    from trainer.variants import variant_for
+
+    variant = variant_for(cfg)
+    cfg = resolve_before_training(cfg, variant, num_images, 1, False)
+    steps = num_images // cfg.batch_size
+    return resolve_schedule(cfg, variant, (cfg.epochs or 1) * steps, steps)

@@ -29,8 +29,8 @@ from indexer.encoder import (
     read_encoder_metadata,
 )
 from tests._checkpoints import write_checkpoint
-from trainer.augment import eval_transform
 from trainer.demo_data import draw_shape
+from trainer.eval_transform import eval_transform
 from trainer.export import export_encoder, load_backbone
 
 

@@ -12,11 +12,11 @@ from PIL import Image
 
 from app.cli import main
 from tests.conftest import tiny_train_config
-from trainer.build import build_model
 from trainer.checkpoint import CHECKPOINT_FORMAT, CHECKPOINT_VERSION, save_atomic
 from trainer.config import TrainConfig
 from trainer.evaluate import LinearProbeConfig, knn_top1, linear_probe
 from trainer.train import train
+from trainer.variants import build_model
 
 COLOURS = {"red": (220, 30, 30), "green": (30, 200, 40), "blue": (30, 40, 220)}
 

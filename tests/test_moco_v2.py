@@ -9,7 +9,6 @@ import torch.nn.functional as F
 
 from contracts.errors import ConfigError
 from trainer.backbones import SplitBatchNorm2d, build_resnet
-from trainer.build import lr_at
 from trainer.config import TrainConfig
 from trainer.moco import (
     MoCoV2,
@@ -18,6 +17,7 @@ from trainer.moco import (
     info_nce_logits,
     momentum_update_,
 )
+from trainer.schedule import Schedule
 
 
 def test_info_nce_logits__match_hand_computation():
@@ -116,16 +116,17 @@ def test_forward__returns_finite_loss_and_enqueues_keys():
 
 
 def test_lr_schedule__warmup_then_cosine_to_zero():
-    cfg = TrainConfig(data_dir="-", out_dir="-", epochs=10, batch_size=256, lr=0.03, warmup_epochs=1, queue_size=256)
-    assert lr_at(cfg, 0, 100) == pytest.approx(0.03 / 100)
-    assert lr_at(cfg, 99, 100) == pytest.approx(0.03)
-    assert lr_at(cfg, 100, 100) == pytest.approx(0.03)
-    assert lr_at(cfg, 550, 100) == pytest.approx(0.015)
-    assert lr_at(cfg, 999, 100) == pytest.approx(0.0, abs=1e-5)
+    schedule = Schedule(peak_lr=0.03, warmup_steps=100, total_steps=1000, m0=0.999, momentum_fn=lambda m, p: m)
+    assert schedule.lr(0) == pytest.approx(0.03 / 100)
+    assert schedule.lr(99) == pytest.approx(0.03)
+    assert schedule.lr(100) == pytest.approx(0.03)
+    assert schedule.lr(550) == pytest.approx(0.015)
+    assert schedule.lr(999) == pytest.approx(0.0, abs=1e-5)
+    assert schedule.lr(1500) == pytest.approx(0.0, abs=1e-12)  # past the end (a run stopped late): stays at 0
 
 
 def test_config__round_trips_json_and_scales_lr():
-    cfg = TrainConfig(data_dir="d", out_dir="o", batch_size=512, queue_size=1024, amp=True)
+    cfg = TrainConfig(data_dir="d", out_dir="o", batch_size=512, queue_size=1024, amp=True, lr=0.03)
     assert TrainConfig.from_json(cfg.to_json()) == cfg
     assert cfg.effective_lr == pytest.approx(0.06)
 

@@ -11,21 +11,25 @@ import torch
 import torch.nn.functional as F
 from timm.layers import build_sincos2d_pos_embed
 
-from app.cmd_train import _add_train_options, _train_config
 from contracts.errors import ConfigError
-from tests.conftest import tiny_train_config
-from trainer.build import build_model, build_optimizer, build_transform, key_momentum_at
-from trainer.config import TrainConfig
+from tests.conftest import resolved_config, tiny_train_config
+from trainer.batch_augment import MOCO_V3_VIEWS
+from trainer.config import TrainConfig, add_arguments, from_arguments
 from trainer.lars import LARS
 from trainer.moco import MoCoV3, contrastive_loss
 from trainer.train import train
+from trainer.variants import MoCoV2Variant, build_model, variant_for
+
+
+def build_optimizer(cfg: TrainConfig, model):
+    return variant_for(cfg).build_optimizer(cfg, model)
 
 
 def _v3(arch: str = "resnet18", **overrides) -> TrainConfig:
     values = dict(data_dir="-", out_dir="-", moco_version=3, arch=arch, stem="imagenet", image_size=32, epochs=2,
-                  batch_size=8, dim=16, mlp_hidden=32)
+                  batch_size=8, dim=16, mlp_hidden=32, recipe="paper")
     values.update(overrides)
-    return TrainConfig(**values)
+    return resolved_config(TrainConfig(**values), num_images=64)
 
 
 # ---- loss ------------------------------------------------------------------------------------------------
@@ -94,13 +98,13 @@ def test_moco_v3__heads_have_paper_shape():
 
 # ---- schedules and optimizers ------------------------------------------------------------------------------
 def test_key_momentum__rises_from_099_to_1_on_a_cosine():
-    cfg = _v3(epochs=10)
-    assert key_momentum_at(cfg, 0, 100) == pytest.approx(0.99)
-    assert key_momentum_at(cfg, 500, 100) == pytest.approx(0.995)
-    assert key_momentum_at(cfg, 250, 100) == pytest.approx(1 - 0.01 * (1 + math.cos(math.pi / 4)) / 2)
-    assert key_momentum_at(cfg, 1000, 100) == pytest.approx(1.0)
-    v2 = TrainConfig(data_dir="-", out_dir="-", epochs=10)
-    assert key_momentum_at(v2, 0, 100) == key_momentum_at(v2, 999, 100) == 0.999
+    v3 = variant_for(_v3())
+    assert v3.key_momentum(0.99, 0.0) == pytest.approx(0.99)
+    assert v3.key_momentum(0.99, 0.5) == pytest.approx(0.995)
+    assert v3.key_momentum(0.99, 0.25) == pytest.approx(1 - 0.01 * (1 + math.cos(math.pi / 4)) / 2)
+    assert v3.key_momentum(0.99, 1.0) == pytest.approx(1.0)
+    v2 = MoCoV2Variant()
+    assert v2.key_momentum(0.999, 0.0) == v2.key_momentum(0.999, 0.99) == 0.999
 
 
 def test_lars__one_step_matches_hand_computation():
@@ -157,22 +161,19 @@ def test_vit__patch_projection_and_position_table_stay_fixed_after_a_step():
     assert not torch.equal(vit.blocks[0].attn.qkv.weight, block_before)  # the rest of the ViT did train
 
 
-def test_build_transform__v3_views_are_asymmetric():
-    views = build_transform(_v3())
-    blur = lambda view: [t for t in view.transforms if type(t).__name__ == "RandomApply"  # noqa: E731
-                         and type(t.transforms[0]).__name__ == "GaussianBlur"][0].p
-    solarize = lambda view: [t for t in view.transforms if type(t).__name__ == "RandomSolarize"][0].p  # noqa: E731
-    assert (blur(views.first), blur(views.second)) == (1.0, 0.1)
-    assert (solarize(views.first), solarize(views.second)) == (0.0, 0.2)
+def test_v3_views__are_asymmetric():
+    first, second = variant_for(_v3()).views()
+    assert (first, second) == MOCO_V3_VIEWS
+    assert (first.blur_p, second.blur_p) == (1.0, 0.1) and (first.solarize_p, second.solarize_p) == (0.0, 0.2)
+    assert first.crop_scale == (0.08, 1.0) and first.saturation == 0.2
 
 
 # ---- configuration ---------------------------------------------------------------------------------------
 def _cli_config(*args: str) -> TrainConfig:
     parser = argparse.ArgumentParser()
-    parser.add_argument("data_dir")
-    parser.add_argument("--out")
-    _add_train_options(parser)
-    return _train_config(parser.parse_args(["data", "--out", "run", *args]))
+    add_arguments(parser)
+    cfg = from_arguments(parser.parse_args(["--recipe", "paper", *args]), data_dir="data", out_dir="run")
+    return resolved_config(cfg, num_images=1024)
 
 
 def test_config__moco_version_3_alone_gets_the_paper_values():
@@ -182,15 +183,16 @@ def test_config__moco_version_3_alone_gets_the_paper_values():
     assert resnet.queue_size == 0
     vit = _cli_config("--moco-version", "3", "--arch", "vit_small", "--epochs", "300")
     assert (vit.lr, vit.weight_decay, vit.warmup_epochs, vit.temperature) == (1.5e-4, 0.1, pytest.approx(40.0), 0.2)
-    v2 = _cli_config()
-    assert (v2.lr, v2.weight_decay, v2.warmup_epochs, v2.queue_size) == (0.03, 1e-4, 0.0, 65536)
+    v2 = _cli_config("--epochs", "200")
+    assert (v2.lr, v2.weight_decay, v2.warmup_epochs, v2.queue_size) == (0.03, 1e-4, 0.0, 512)  # capped at half
+    assert v2.derived["queue_size"]["why"].startswith("65536 is more than half of the 1024 images")
     assert (v2.temperature, v2.momentum, v2.dim, v2.mlp_hidden) == (0.2, 0.999, 128, 0)
     explicit = _cli_config("--moco-version", "3", "--temperature", "0.5", "--lr", "1.0")
     assert (explicit.temperature, explicit.lr) == (0.5, 1.0)
 
 
 def test_config__v3_round_trips_through_json_and_skips_queue_check():
-    cfg = _v3(batch_size=24, queue_size=100)  # v2 would refuse a queue that is not a multiple of the batch
+    cfg = _v3(batch_size=24, queue_size=100, recipe="paper")  # v2 would refuse a queue not a multiple of the batch
     again = TrainConfig.from_json(cfg.to_json())
     assert again == cfg and json.loads(cfg.to_json())["temperature"] == 1.0
 
@@ -199,7 +201,7 @@ def test_config__vit_needs_v3_and_enough_patches():
     with pytest.raises(ConfigError, match="needs --moco-version 3"):
         TrainConfig(data_dir="-", out_dir="-", arch="vit_tiny")
     with pytest.raises(ConfigError, match="fewer than 4 patches"):
-        _v3("vit_tiny", patch_size=32)
+        TrainConfig(data_dir="-", out_dir="-", moco_version=3, arch="vit_tiny", image_size=32, patch_size=32)
 
 
 def test_moco_v3__model_type_and_vit_output_shape():
@@ -224,7 +226,8 @@ def test_moco_v3__optimizer_step_fits_instance_discrimination_on_a_fixed_batch(a
     x = torch.randn(16, 3, 32, 32)
     losses = []
     for step in range(20):
-        loss = model(x + 0.3 * torch.randn_like(x), x + 0.3 * torch.randn_like(x), key_momentum_at(cfg, step, 20))
+        m = variant_for(cfg).key_momentum(0.99, step / 20)
+        loss = model(x + 0.3 * torch.randn_like(x), x + 0.3 * torch.randn_like(x), m)
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -244,21 +247,7 @@ def test_train_v3_vit__resume_gives_same_parameters_as_straight_run(shapes_dir, 
     assert straight.steps == resumed.steps == 2 * (96 // 16)
     a = torch.load(tmp_path / "straight" / "checkpoint_last.pt", weights_only=False)
     b = torch.load(tmp_path / "resumed" / "checkpoint_last.pt", weights_only=False)
-    assert a["config"]["temperature"] == 0.2 and a["config"]["warmup_epochs"] == pytest.approx(2 * 40 / 300)
+    # the auto recipe: T 0.2 and a warm-up of 1 epoch capped at 10% of the 2-epoch run
+    assert a["config"]["temperature"] == 0.2 and a["config"]["warmup_epochs"] == pytest.approx(0.2)
     for name, tensor in a["model"].items():
         assert torch.equal(tensor, b["model"][name]), name
-
-
-def test_small_batch_advice__only_for_v3_left_at_the_paper_lr_with_a_small_batch():
-    from app.cli import build_parser
-    from app.cmd_train import small_batch_advice
-
-    def advice(*options):
-        return small_batch_advice(build_parser().parse_args(["train", "data", "--out", "run", *options]))
-
-    resnet = advice("--moco-version", "3", "--arch", "resnet18", "--batch-size", "32")
-    assert "--batch-size 32" in resnet and "--lr 4.8 --temperature 0.2 --warmup-epochs 1" in resnet
-    assert "--lr 3e-3" in advice("--moco-version", "3", "--arch", "vit_tiny", "--batch-size", "64")
-    assert advice("--moco-version", "3", "--arch", "resnet18", "--batch-size", "32", "--lr", "4.8") is None
-    assert advice("--moco-version", "3", "--arch", "resnet18", "--batch-size", "1024") is None
-    assert advice("--moco-version", "2", "--arch", "resnet18", "--batch-size", "32") is None

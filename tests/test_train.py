@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -129,10 +130,10 @@ def test_load_checkpoint__foreign_and_corrupt_files_are_artifact_errors(tmp_path
 
 def test_fit_queue_to_data__caps_queue_at_half_the_images():
     from contracts.errors import DataError
-    from trainer.train import fit_queue_to_data
+    from trainer.recipes import fit_queue_to_data
 
-    assert fit_queue_to_data(256, 64, 10_000) == 256  # small queue: unchanged
-    assert fit_queue_to_data(65536, 64, 1000) == 448  # half of 1000, down to a multiple of 64
+    assert fit_queue_to_data(256, 64, 10_000) == (256, None)  # small queue: unchanged
+    assert fit_queue_to_data(65536, 64, 1000)[0] == 448  # half of 1000, down to a multiple of 64
     with pytest.raises(DataError, match="too few for MoCo v2"):
         fit_queue_to_data(65536, 64, 100)
 
@@ -176,3 +177,39 @@ def test_train__save_every_steps_writes_mid_epoch_checkpoints(shapes_dir, tmp_pa
     resumed = train(tiny_train_config(shapes_dir, tmp_path / "run", epochs=2, batch_size=8, queue_size=16,
                                       save_every_steps=5))
     assert resumed.steps == 10 + 2 + 12  # the 2 remaining batches of epoch 1, then epoch 2
+
+
+class _MakesAFolder:
+    """A pickle payload that creates a folder when unpickled (what a crafted checkpoint could do)."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (os.makedirs, (self.path,))
+
+
+def test_load_checkpoint__refuses_a_crafted_file_without_running_it(tmp_path, capsys):
+    target = tmp_path / "created-by-unpickling"
+    torch.save({"format": "moco-retrieval/checkpoint", "format_version": 2, "payload": _MakesAFolder(target)},
+               tmp_path / "evil.pt")
+    with pytest.raises(ArtifactError, match="refusing to load it"):
+        load_checkpoint(tmp_path / "evil.pt")
+    code = main(["export", str(tmp_path / "evil.pt"), "--out", str(tmp_path / "e.onnx")])
+    assert code == 4 and "refusing to load it" in capsys.readouterr().err
+    assert not target.exists()
+
+
+def test_load_checkpoint__format_1_checkpoints_with_numpy_rng_state_still_load(tmp_path):
+    import random
+
+    import numpy as np
+
+    old = {"format": "moco-retrieval/checkpoint", "format_version": 1, "torch_version": torch.__version__,
+           "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}}
+    torch.save(old, tmp_path / "old.pt")
+    ckpt = load_checkpoint(tmp_path / "old.pt")
+    assert ckpt["format_version"] == 1 and ckpt["rng"]["numpy"][0] == "MT19937"
+    from trainer.checkpoint import set_rng_state
+
+    set_rng_state(ckpt["rng"])  # the old tuple form is still understood

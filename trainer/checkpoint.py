@@ -1,12 +1,19 @@
-"""Checkpoints: atomic writes, and loading with one-line errors for missing, corrupt or foreign files.
+"""Checkpoints: atomic writes, and safe loading with one-line errors for missing, corrupt, foreign or unsafe files.
 
 A checkpoint is a dict with ``format`` = :data:`CHECKPOINT_FORMAT`, ``format_version``, ``config`` (the
 TrainConfig as a dict), ``model`` (the whole MoCo state: both encoders, the queue and its pointer),
-``optimizer``, ``epoch`` (epochs completed), ``step`` (optimizer steps taken), ``rng`` states and ``run_id``.
+``optimizer``, ``epoch`` (epochs completed), ``batch_in_epoch``, ``step`` (optimizer steps taken), ``rng``
+states, ``schedule`` (total and warm-up steps, time spent) and ``run_id``.
+
+Everything in it is a tensor or a plain Python value (dict, list, tuple, str, int, float, bool, None), so it is
+loaded with ``torch.load(weights_only=True)``: a crafted ``.pt`` cannot run code. Checkpoints of version 1
+stored numpy's RNG state as an array and torch's version as its own string class; they still load, with
+exactly those classes allowed. Anything else is refused with a one-line error.
 """
 from __future__ import annotations
 
 import logging
+import pickle
 import random
 from pathlib import Path
 
@@ -19,7 +26,7 @@ from contracts.errors import ArtifactError
 LOG = logging.getLogger(__name__)
 
 CHECKPOINT_FORMAT = "moco-retrieval/checkpoint"
-CHECKPOINT_VERSION = 1
+CHECKPOINT_VERSION = 2  # 2: only tensors and plain values (weights_only); numpy RNG state as a tensor
 LAST = "checkpoint_last.pt"
 
 
@@ -30,7 +37,12 @@ def save_atomic(obj: dict, path: str | Path) -> None:
 
 
 def rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    """The RNG states of torch, numpy, Python (and CUDA), as tensors and plain values."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {"torch": torch.get_rng_state(),
+             "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                       "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+             "python": random.getstate()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -38,7 +50,12 @@ def rng_state() -> dict:
 
 def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
+    numpy_state = state["numpy"]
+    if isinstance(numpy_state, dict):
+        np.random.set_state((numpy_state["kind"], numpy_state["keys"].numpy().astype(np.uint32), numpy_state["pos"],
+                             numpy_state["has_gauss"], numpy_state["cached_gaussian"]))
+    else:  # format 1: numpy's own tuple
+        np.random.set_state(numpy_state)
     random.setstate(state["python"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -54,15 +71,47 @@ def resolve_checkpoint(path: str | Path) -> Path:
     return path
 
 
+def _format1_globals() -> list:
+    """What a format-1 checkpoint holds besides tensors and plain values: numpy's RNG state as an array (array
+    reconstruction only) and torch's version string class."""
+    core = getattr(np, "_core", None) or np.core
+    return [core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32)),
+            torch.torch_version.TorchVersion]
+
+
+def _refused_global(exc: Exception) -> bool:
+    """True when torch's weights_only unpickler refused a global (a class or function the file names), rather
+    than failing on bytes that are not a pickle at all."""
+    return "unsupported global" in str(exc).lower()
+
+
+def _safe_load(path: Path):
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        if not _refused_global(exc):
+            raise  # not a pickle torch can read: corrupt or foreign
+    with torch.serialization.safe_globals(_format1_globals()):
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as exc:
+            if not _refused_global(exc):
+                raise
+            raise ArtifactError(f"{path} holds objects other than tensors and plain values; refusing to load it "
+                                "(loading could run code). Use a checkpoint written by `moco train`") from exc
+
+
 def load_checkpoint(path: str | Path) -> dict:
-    """Load a checkpoint (or a run directory's last one) on the CPU.
+    """Load a checkpoint (or a run directory's last one) on the CPU, without running any code it might hold.
 
     Raises:
-        ArtifactError: missing, unreadable, or not a moco-retrieval checkpoint.
+        ArtifactError: missing, unreadable, unsafe, or not a moco-retrieval checkpoint.
     """
     path = resolve_checkpoint(path)
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=False)
+        ckpt = _safe_load(path)
+    except ArtifactError:
+        raise
     except Exception as exc:  # torch raises many types for a corrupt or foreign file
         raise ArtifactError(f"cannot read checkpoint {path}: {type(exc).__name__}: {exc}".splitlines()[0]) from exc
     if not isinstance(ckpt, dict) or ckpt.get("format") != CHECKPOINT_FORMAT:

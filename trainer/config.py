@@ -1,13 +1,19 @@
-"""The typed training configuration: one dataclass, validated on construction, round-tripping to JSON.
+"""The typed training configuration: one dataclass, validated on construction, round-tripping to JSON, and the
+single statement of every training option: ``moco train``'s flags are generated from the fields and their
+``help`` metadata (:func:`add_arguments`, :func:`from_arguments`), so an option is declared once.
 
-The CLI builds a :class:`TrainConfig` and nothing more; ``__post_init__`` checks every value so a bad option
-fails before anything is written. ``config.json`` in a run directory is ``TrainConfig.to_json()``; a resumed
-run rebuilds its model from it.
+Fields left at ``None`` are derived when the run starts, from the user's data size, batch size and time budget
+by the recipe (``--recipe auto``, :mod:`trainer.recipes`) or taken from the papers (``--recipe paper``); the
+resolved values, and why each was chosen, go to ``config.json``. A resumed run rebuilds its model from it.
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
+import os
+import re
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,80 +24,131 @@ RESNETS = ("resnet18", "resnet34", "resnet50")
 VITS = ("vit_tiny", "vit_small", "vit_base")
 ARCHS = RESNETS + VITS
 STEMS = ("auto", "imagenet", "small")
-
-# Paper defaults the user did not override (a field left at None): MoCo v2 (Chen et al. 2020) for every arch;
-# MoCo v3 (Chen, Xie, He 2021, the reference code's ResNet-50 100-epoch and ViT recipes) per backbone family.
-# warmup_epochs is the fraction of --epochs the paper warms up for (10 of 100 epochs, 40 of 300).
-V2_DEFAULTS = dict(lr=0.03, weight_decay=1e-4, warmup_epochs=0.0, queue_size=65536, momentum=0.999, temperature=0.2,
-                   dim=128, mlp_hidden=0)
-V3_RESNET_DEFAULTS = dict(lr=0.6, weight_decay=1e-6, warmup_epochs=10 / 100, queue_size=0, momentum=0.99,
-                          temperature=1.0, dim=256, mlp_hidden=4096)
-V3_VIT_DEFAULTS = dict(lr=1.5e-4, weight_decay=0.1, warmup_epochs=40 / 300, queue_size=0, momentum=0.99,
-                       temperature=0.2, dim=256, mlp_hidden=4096)
+RECIPES = ("auto", "paper")
 
 # Fields that define the model, the data order or the objective: a resumed run must match them.
 RESUME_MUST_MATCH = (
     "moco_version", "arch", "stem", "patch_size", "image_size", "batch_size", "dim", "mlp_hidden", "queue_size",
-    "temperature", "seed", "bn_splits",
+    "temperature", "seed", "bn_splits", "recipe", "time_budget",
 )
+GROUPS = ("model", "recipe and schedule", "running", "k-NN monitor")
+
+
+def option(default, help: str, group: str, cli: bool = True, **argparse_kwargs):
+    """A config field with its command-line help (``cli=False``: not a flag)."""
+    meta = {"help": help, "group": group, "cli": cli, "argparse": argparse_kwargs}
+    if default in (dict, list) or (callable(default) and not isinstance(default, type)):
+        return field(default_factory=default, metadata=meta)  # a fresh container / a value computed per config
+    return field(default=default, metadata=meta)
+
+
+def _default_workers() -> int:
+    return min(4, os.cpu_count() or 1)
+
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|sec|m|min|h|hr|d)?\s*$", re.IGNORECASE)
+_UNIT_SECONDS = {"s": 1, "sec": 1, "m": 60, "min": 60, "h": 3600, "hr": 3600, "d": 86400}
+
+
+def parse_duration(text: str) -> float:
+    """``"30m"`` -> 1800.0 seconds (units s, m, h, d; a bare number is minutes). Raises ConfigError."""
+    match = _DURATION.match(str(text))
+    if not match:
+        raise ConfigError(f"--time-budget {text!r} is not a duration; use e.g. 90s, 30m, 2h or 1.5h")
+    value, unit = float(match.group(1)), (match.group(2) or "m").lower()
+    seconds = value * _UNIT_SECONDS[unit]
+    if seconds <= 0:
+        raise ConfigError(f"--time-budget must be positive, got {text!r}")
+    return seconds
 
 
 def _positive(name: str, value: float) -> None:
-    if value <= 0:
+    if value is not None and value <= 0:
         raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {value}")
 
 
 @dataclass
 class TrainConfig:
-    """Everything needed to (re)build and train a MoCo model.
+    """Everything needed to (re)build and train a MoCo model. See ``moco train --help`` for each option."""
 
-    Fields marked "paper default" may be left at ``None``: construction fills them with the published values
-    for the chosen ``moco_version`` and ``arch`` (:data:`V2_DEFAULTS`, :data:`V3_RESNET_DEFAULTS`,
-    :data:`V3_VIT_DEFAULTS`), so ``config.json`` always holds concrete numbers.
-    """
-
-    data_dir: str  # folder of training images (recursive; labels from first-level subfolders are optional)
-    out_dir: str  # run directory: config.json, checkpoints, metrics.jsonl, metrics.png
-    moco_version: int = 2  # 2: queue of negatives (MoCo v2); 3: symmetric in-batch loss + predictor (MoCo v3)
-    arch: str = "resnet50"  # backbone: resnet18/34/50 (torchvision) or vit_tiny/small/base (timm)
-    stem: str = "auto"  # ResNet stem: imagenet (7x7 stride 2 + max-pool), small (3x3 stride 1), auto: small <= 96 px
-    patch_size: int = 0  # ViT patch size; 0 = auto: 16, 8 for images of 96 px and below, 4 for 32 px and below
-    image_size: int = 224  # training crop size in pixels (square)
-    epochs: int = 200  # passes over the data
-    batch_size: int = 256  # global batch: summed over all processes
-    # base learning rate, x batch_size/256 when lr_scale is on (paper default: 0.03 v2; v3: 0.6 ResNet, 1.5e-4 ViT)
-    lr: float | None = None
-    lr_scale: bool = True  # linear scaling rule: effective lr = lr * batch_size / 256
-    # linear warm-up before the cosine decay, fractions allowed (paper default: 0 v2; v3: 10% / 13.3% of --epochs
-    # for ResNet / ViT, i.e. 10 of 100 and 40 of 300)
-    warmup_epochs: float | None = None
-    # weight decay (paper default: 1e-4 v2 SGD; v3: 1e-6 LARS, 0.1 AdamW, never on biases and norm weights)
-    weight_decay: float | None = None
-    sgd_momentum: float = 0.9  # SGD / LARS momentum
-    # v2 negatives kept in the queue, a multiple of batch_size (paper default 65536; v3 has no queue and ignores it: 0)
-    queue_size: int | None = None
-    # key encoder EMA coefficient (paper default 0.999 v2; v3: 0.99 at the start, rising to 1 on a cosine)
-    momentum: float | None = None
-    temperature: float | None = None  # contrastive softmax temperature (paper default 0.2 v2; v3: 1.0 ResNet, 0.2 ViT)
-    dim: int | None = None  # projection output dimension (paper default 128 v2, 256 v3)
-    # projector (and v3 predictor) hidden width; 0 = the backbone's width (paper default 0 v2, 4096 v3)
-    mlp_hidden: int | None = None
-    bn_splits: int = 0  # split-BN groups in one process (shuffle-BN stand-in); 0 = auto (<= 8 groups of >= 16, 1 under DDP)
-    workers: int = 4  # data-loading processes per training process (0 = load in the main process)
-    device: str = "auto"  # auto (GPU if usable), cpu, cuda or cuda:N
-    amp: bool | None = None  # bfloat16 autocast; None = on for CUDA, off for CPU
-    compile: bool = False  # torch.compile the encoders (slower start, faster steps on GPU)
-    seed: int = 0  # seeds data order, augmentations and initialisation
-    knn_dir: str | None = None  # labeled folder for the k-NN monitor; None = the training folder if labeled
-    knn_every: int = 1  # run the k-NN monitor every N epochs (0 = never)
-    knn_k: int = KNN_K  # neighbours voting in the k-NN monitor
-    knn_temperature: float = KNN_TEMPERATURE  # vote weight exp(similarity / T)
-    knn_max_images: int = 5000  # cap on images used by the monitor (a fixed subset)
-    save_every: int = 10  # also keep checkpoint_XXXX.pt every N epochs (checkpoint_last.pt every epoch)
-    save_every_steps: int = 0  # also write checkpoint_last.pt every N steps inside an epoch (0 = only at epoch ends)
-    log_every: int = 10  # write a metrics.jsonl line every N steps
-    run_id: str = ""  # set when the run starts; kept across resumes
-    extra: dict = field(default_factory=dict)  # free-form notes carried into config.json
+    data_dir: str = option("", "folder of training images", "running", cli=False)
+    out_dir: str = option("", "run directory", "running", cli=False)
+    # -- model --------------------------------------------------------------------------------------------------
+    moco_version: int = option(2, "2: MoCo v2 (a queue of negatives, SGD); 3: MoCo v3 (symmetric in-batch loss, "
+                                  "a predictor, no queue; LARS for ResNets, AdamW for ViTs)", "model", choices=(2, 3))
+    arch: str = option("resnet50", "backbone network; resnet18 trains fastest; vit_* need --moco-version 3",
+                       "model", choices=ARCHS)
+    stem: str = option("auto", "ResNet first layers: 'small' keeps the resolution of 32-96 px images (about 9x "
+                               "the compute of 'imagenet', which downsamples 4x); auto: see --recipe",
+                       "model", choices=STEMS)
+    patch_size: int = option(0, "ViT patch size in pixels (0 = auto: 16, 8 at 96 px and below, 4 at 32 px and "
+                                "below)", "model")
+    image_size: int = option(224, "training crop size in pixels (square)", "model")
+    dim: int | None = option(None, "projection output dimension used by the loss (v2 128, v3 256)", "model")
+    mlp_hidden: int | None = option(None, "hidden width of the projection (and v3 prediction) head; 0 = the "
+                                          "backbone's width (v2 0, v3 4096)", "model")
+    queue_size: int | None = option(None, "v2: negative keys remembered from past batches, a multiple of the "
+                                          "batch (paper 65536; auto: about a fifth of the images)", "model")
+    momentum: float | None = option(None, "how slowly the key encoder follows the query encoder, 0-1 (paper v2 "
+                                          "0.999, v3 0.99 rising to 1; auto: 1 - 1/tau with tau 5%% of the run)",
+                                    "model")
+    temperature: float | None = option(None, "softmax temperature of the contrastive loss (paper v2 0.2, v3 1.0 "
+                                             "ResNet / 0.2 ViT; auto 0.2)", "model")
+    bn_splits: int = option(0, "v2: batch-norm groups in one process so BN cannot reveal the positive pair (0 = "
+                               "auto: up to 8 groups of at least 16 images; 1 under torchrun)", "model")
+    # -- recipe and schedule ------------------------------------------------------------------------------------
+    recipe: str = option("auto", "how options left unset are chosen: 'auto' derives them from your batch size, "
+                                 "data size and time budget with what learned in short runs (config.json says "
+                                 "why); 'paper' uses the MoCo papers' values, made for batches of 256-4096 and "
+                                 "hundreds of epochs", "recipe and schedule", choices=RECIPES)
+    time_budget: str | None = option(None, "train for this long (90s, 30m, 2h) instead of --epochs: the first "
+                                           "minute's throughput sets the number of steps, the schedules span the "
+                                           "budget, and the run stops on time with a checkpoint",
+                                     "recipe and schedule", metavar="DURATION")
+    epochs: int | None = option(None, "passes over the data (default 200 without --time-budget)",
+                                "recipe and schedule")
+    batch_size: int | None = option(None, "images per step, summed over all processes/GPUs (paper 256; auto: "
+                                          "by data size, 32-256)", "recipe and schedule")
+    lr: float | None = option(None, "base learning rate, x batch/256 unless --no-lr-scale (paper 0.03 v2, 0.6 "
+                                    "v3 ResNet, 1.5e-4 ViT)", "recipe and schedule")
+    lr_scale: bool = option(True, "scale --lr by batch/256 (linear scaling rule); --no-lr-scale uses it as given",
+                            "recipe and schedule")
+    warmup_epochs: float | None = option(None, "epochs of linear learning-rate warm-up before the cosine decay "
+                                               "(paper: 0 v2, 10%% of the run v3; auto: 1 epoch for v3, at most "
+                                               "10%% of the run)", "recipe and schedule")
+    weight_decay: float | None = option(None, "weight decay (1e-4 v2, 1e-6 LARS, 0.1 AdamW; v3 exempts biases "
+                                              "and norms)", "recipe and schedule")
+    sgd_momentum: float = option(0.9, "SGD / LARS momentum", "recipe and schedule")
+    # -- running ------------------------------------------------------------------------------------------------
+    workers: int = option(_default_workers, "processes that decode images into the cache and gather batches "
+                                            "(default: min(4, CPU cores))", "running")
+    device: str = option("auto", "auto (GPU when usable), cpu, cuda or cuda:N", "running")
+    amp: bool | None = option(None, "bfloat16 mixed precision (default: on for GPUs and for CPUs with native "
+                                    "bf16, e.g. avx512_bf16 or AMX; --no-amp refuses it)", "running",
+                              action=argparse.BooleanOptionalAction)
+    compile: bool = option(False, "torch.compile the encoders (slow start, faster GPU steps)", "running")
+    seed: int = option(0, "seed of initialisation, data order and augmentation", "running")
+    cache_dir: str | None = option(None, "where decoded images are cached (default: $MOCO_CACHE_DIR, else "
+                                         "~/.cache/moco-retrieval); shared by later runs on the same folder",
+                                   "running", metavar="DIR")
+    save_every: int = option(10, "keep a numbered checkpoint every N epochs", "running")
+    save_every_steps: int = option(0, "also save checkpoint_last.pt every N steps inside an epoch, so a killed run "
+                                      "loses at most N steps (0: at epoch ends; Ctrl-C always saves)", "running")
+    log_every: int = option(10, "write a metrics.jsonl line every N steps", "running")
+    # -- k-NN monitor -------------------------------------------------------------------------------------------
+    knn_dir: str | None = option(None, "labeled folder (one subfolder per class, or train/ and val/) to report "
+                                       "k-NN accuracy on; default: DATA_DIR itself when it has class subfolders",
+                                 "k-NN monitor", metavar="DIR")
+    knn_every: int | None = option(None, "evaluate k-NN every N epochs (0 = never; default: about 10 times per "
+                                         "run, and always at the start and the end)", "k-NN monitor")
+    knn_k: int = option(KNN_K, "neighbours that vote", "k-NN monitor")
+    knn_temperature: float = option(KNN_TEMPERATURE, "vote weight exp(similarity / T)", "k-NN monitor")
+    knn_max_images: int = option(5000, "cap on images the monitor uses per split (a fixed, even spread)",
+                                 "k-NN monitor")
+    # -- set by the run -----------------------------------------------------------------------------------------
+    run_id: str = option("", "set when the run starts; kept across resumes", "running", cli=False)
+    derived: dict = option(dict, "value and reason of every option the recipe chose", "running", cli=False)
+    extra: dict = option(dict, "free-form notes carried into config.json", "running", cli=False)
 
     def __post_init__(self) -> None:
         if self.moco_version not in (2, 3):
@@ -100,30 +157,34 @@ class TrainConfig:
             raise ConfigError(f"unknown --arch {self.arch!r}; choose one of {', '.join(ARCHS)}")
         if self.arch in VITS and self.moco_version != 3:
             raise ConfigError(f"--arch {self.arch} needs --moco-version 3 (MoCo v2 trains ResNets only)")
-        for name, value in self.paper_defaults().items():
-            if getattr(self, name) is None:
-                setattr(self, name, value * self.epochs if name == "warmup_epochs" and value else value)
         if self.stem not in STEMS:
             raise ConfigError(f"unknown --stem {self.stem!r}; choose one of {', '.join(STEMS)}")
-        for name in ("image_size", "epochs", "batch_size", "lr", "temperature", "dim", "knn_k"):
+        if self.recipe not in RECIPES:
+            raise ConfigError(f"unknown --recipe {self.recipe!r}; choose one of {', '.join(RECIPES)}")
+        if self.time_budget is not None:
+            parse_duration(self.time_budget)
+            if self.epochs is not None and not self.derived.get("epochs"):
+                raise ConfigError("give either --epochs or --time-budget, not both")
+        for name in ("image_size", "epochs", "batch_size", "lr", "temperature", "dim", "knn_k", "knn_temperature",
+                     "knn_max_images"):
             _positive(name, getattr(self, name))
-        if self.moco_version == 2:
-            _positive("queue_size", self.queue_size)
         for name in ("warmup_epochs", "weight_decay", "workers", "mlp_hidden", "bn_splits", "knn_every", "queue_size",
                      "patch_size", "save_every_steps"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {value}")
         if self.image_size < 16:
             raise ConfigError(f"--image-size must be at least 16 pixels, got {self.image_size}")
         if self.arch in VITS and self.resolved_patch_size > self.image_size // 2:
             raise ConfigError(f"--patch-size {self.resolved_patch_size} leaves fewer than 4 patches in a "
                               f"{self.image_size} px image; use --patch-size {max(1, self.image_size // 8)} "
                               f"or larger images")
-        if not 0.0 <= self.momentum < 1.0:
+        if self.momentum is not None and not 0.0 <= self.momentum < 1.0:
             raise ConfigError(f"--momentum must be in [0, 1), got {self.momentum}")
-        if self.warmup_epochs >= self.epochs:
+        if self.epochs is not None and self.warmup_epochs is not None and self.warmup_epochs >= self.epochs:
             raise ConfigError(f"--warmup-epochs ({self.warmup_epochs}) must be less than --epochs ({self.epochs})")
-        if self.moco_version == 2 and self.queue_size % self.batch_size:
+        if (self.moco_version == 2 and self.queue_size is not None and self.batch_size is not None
+                and self.queue_size % self.batch_size):
             raise ConfigError(
                 f"--queue-size {self.queue_size} is not a multiple of the global --batch-size {self.batch_size}; "
                 f"try --queue-size {max(1, round(self.queue_size / self.batch_size)) * self.batch_size}"
@@ -133,12 +194,11 @@ class TrainConfig:
         if self.save_every < 1 or self.log_every < 1:
             raise ConfigError("--save-every and --log-every must be at least 1")
 
-    # -- derived values -------------------------------------------------------------------------------
-    def paper_defaults(self) -> dict:
-        """The published hyper-parameters for this MoCo version and backbone (``warmup_epochs`` as a fraction)."""
-        if self.moco_version == 2:
-            return dict(V2_DEFAULTS)
-        return dict(V3_VIT_DEFAULTS if self.arch in VITS else V3_RESNET_DEFAULTS)
+    # -- derived values -------------------------------------------------------------------------------------------
+    @property
+    def budget_seconds(self) -> float | None:
+        """The time budget in seconds, or None when the run is planned in epochs."""
+        return parse_duration(self.time_budget) if self.time_budget is not None else None
 
     @property
     def effective_lr(self) -> float:
@@ -154,11 +214,17 @@ class TrainConfig:
 
     @property
     def resolved_stem(self) -> str:
+        """The ResNet stem; ``auto`` left unresolved by a recipe means small at 96 px and below."""
         if self.stem != "auto":
             return self.stem
         return "small" if self.image_size <= 96 else "imagenet"
 
-    # -- JSON ----------------------------------------------------------------------------------------
+    def unresolved(self) -> list[str]:
+        """Fields still left to a recipe (``None``)."""
+        return [f.name for f in dataclasses.fields(self) if getattr(self, f.name) is None
+                and f.name not in ("time_budget", "cache_dir", "knn_dir", "amp", "epochs", "knn_every")]
+
+    # -- JSON -----------------------------------------------------------------------------------------------------
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
@@ -183,3 +249,49 @@ class TrainConfig:
 
     def replace(self, **changes) -> "TrainConfig":
         return dataclasses.replace(self, **changes)
+
+
+# -- the command line -----------------------------------------------------------------------------------------------
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _value_type(annotation):
+    """``int | None`` -> int; the type argparse should convert a flag's value to."""
+    hints = [a for a in typing.get_args(annotation) if a is not type(None)] if typing.get_args(annotation) else []
+    base = hints[0] if hints else annotation
+    return {"int": int, "float": float, "str": str, "bool": bool}.get(getattr(base, "__name__", str(base)), base)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add one flag per command-line field of :class:`TrainConfig`, grouped, with the field's help and default."""
+    hints = typing.get_type_hints(TrainConfig)
+    groups = {name: parser.add_argument_group(name) for name in GROUPS}
+    for f in dataclasses.fields(TrainConfig):
+        meta = f.metadata
+        if not meta.get("cli", False):
+            continue
+        kwargs = dict(meta.get("argparse", {}))
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        help_text = meta["help"]
+        kind = _value_type(hints[f.name])
+        if kind is bool and "action" not in kwargs:
+            if default:  # a switch that is on: the flag turns it off
+                groups[meta["group"]].add_argument(_flag("no_" + f.name), dest=f.name, action="store_false",
+                                                   default=True, help=help_text)
+            else:
+                groups[meta["group"]].add_argument(_flag(f.name), dest=f.name, action="store_true", default=False,
+                                                   help=help_text)
+            continue
+        if "action" not in kwargs:
+            kwargs["type"] = kind
+        if default is not None and default != "" and kind is not bool:
+            help_text += f" (default {default})"
+        groups[meta["group"]].add_argument(_flag(f.name), dest=f.name, default=default, help=help_text, **kwargs)
+
+
+def from_arguments(args: argparse.Namespace, **fixed) -> TrainConfig:
+    """The :class:`TrainConfig` of parsed arguments (``fixed`` sets the non-flag fields: data_dir, out_dir)."""
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)
+              if f.metadata.get("cli", False) and hasattr(args, f.name)}
+    return TrainConfig(**values, **fixed)

@@ -1,5 +1,8 @@
-"""Where training runs: the torch device of this process (its GPU under torchrun, else the CPU)."""
+"""Where training runs: the torch device of this process (its GPU under torchrun, else the CPU), and whether
+it trains in bfloat16."""
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 
@@ -19,3 +22,25 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
         torch.cuda.set_device(index)
         return torch.device("cuda", index)
     return torch.device("cpu")
+
+
+def cpu_has_native_bf16() -> bool:
+    """True when this CPU computes bfloat16 natively (AVX512-BF16 or AMX), where bf16 autocast speeds up
+    training (measured on 2 cores with avx512_bf16: a ResNet-18 MoCo v2 step at 32 px 1.5x faster) instead of
+    emulating it (slower than fp32)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split()
+    except OSError:  # not Linux: leave it to --amp
+        return False
+    return any(flag in flags for flag in ("avx512_bf16", "amx_bf16"))
+
+
+def resolve_amp(requested: bool | None, device: torch.device) -> tuple[bool, str]:
+    """``(use bf16 autocast, why)``: as requested, else on for CUDA and for CPUs with native bf16."""
+    if requested is not None:
+        return requested, "--amp" if requested else "--no-amp"
+    if device.type == "cuda":
+        return True, "GPU"
+    if cpu_has_native_bf16():
+        return True, "this CPU has native bf16 (avx512_bf16 / AMX)"
+    return False, "this CPU has no native bf16"

@@ -29,8 +29,8 @@ from contracts.encoder_format import RESIZE_POLICY
 from contracts.errors import DataError
 from contracts.images import decode_image
 from contracts.knn import EVAL_KS, KNN_TEMPERATURE
-from trainer.augment import eval_transform
 from trainer.checkpoint import resolve_checkpoint
+from trainer.eval_transform import eval_transform
 from trainer.imagefolder import scan_image_folder
 from trainer.knn import knn_predict
 

@@ -146,9 +146,9 @@ def load_backbone(checkpoint: str | Path) -> tuple[nn.Module, "TrainConfig", dic
         ArtifactError: missing or unreadable file, not a moco-retrieval checkpoint, or weights that do not
             fit the configuration stored with them.
     """
-    from trainer.build import build_model
     from trainer.checkpoint import load_checkpoint
     from trainer.config import TrainConfig
+    from trainer.variants import build_model
 
     if Path(checkpoint).suffix.lower() == ".onnx":
         raise ArtifactError(f"{checkpoint} is an ONNX file, not a checkpoint; pass the run directory or a "

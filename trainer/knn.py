@@ -6,29 +6,8 @@ class with weight ``exp(similarity / T)``.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
-from torch import nn
-from torch.utils.data import DataLoader
 
 from contracts.knn import KNN_K, KNN_TEMPERATURE
-
-
-@torch.no_grad()
-def extract_features(backbone: nn.Module, loader: DataLoader, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run ``backbone`` in eval mode over ``loader``.
-
-    Returns:
-        ``(features, labels)``: [N, D] float32 L2-normalised features on the CPU, [N] int64 labels.
-    """
-    was_training = backbone.training
-    backbone.eval()
-    feats, labels = [], []
-    for images, targets, *_ in loader:
-        out = backbone(images.to(device, non_blocking=True))
-        feats.append(F.normalize(out.float(), dim=1).cpu())
-        labels.append(torch.as_tensor(targets))
-    backbone.train(was_training)
-    return torch.cat(feats), torch.cat(labels)
 
 
 @torch.no_grad()

@@ -2,37 +2,62 @@
 
 With a folder holding ``train/`` and ``val/`` (or ``test/``) subfolders, the first is the memory bank and the
 second is classified; otherwise the folder is evaluated leave-one-out (each image classified by all others).
+
+Images come from the image cache (:mod:`trainer.image_cache`), so an evaluation decodes nothing: each image's
+evaluation crop (the export's resize policy: shorter side to the model size, centre square) is cut from its
+cached copy and resized bilinearly, in batches. ``moco eval`` and serving decode the files themselves; the
+two agree up to resampling.
 """
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from contracts.encoder_format import IMAGENET_MEAN, IMAGENET_STD, resized_size
 from contracts.errors import DataError
+from contracts.images import walk_image_files
 from contracts.knn import KNN_K, KNN_TEMPERATURE
-from trainer.augment import eval_transform
-from trainer.data import FolderDataset, eval_loader
-from trainer.imagefolder import ImageList, scan_image_folder
-from trainer.knn import extract_features, knn_accuracy
+from trainer.batch_augment import crop_resize
+from trainer.data import CachedBatchDataset, eval_batches
+from trainer.image_cache import ImageCache, cache_side
+from trainer.knn import knn_accuracy
 
 LOG = logging.getLogger(__name__)
 
 
-def _capped(images: ImageList, max_images: int) -> ImageList:
-    if len(images) <= max_images:
-        return images
-    keep = torch.linspace(0, len(images) - 1, max_images).round().long().unique().tolist()  # a fixed spread
-    return images.subset(keep)
+def eval_crop_boxes(sizes: torch.Tensor, image_size: int) -> torch.Tensor:
+    """The evaluation crop of images of original ``sizes`` ``[N, 2]`` (width, height) as relative boxes
+    ``[N, 4]``: what ``Resize(image_size)`` + ``CenterCrop(image_size)`` keep of each image."""
+    boxes = []
+    for width, height in sizes.tolist():
+        new_w, new_h = resized_size(width, height, image_size)
+        left, top = int(round((new_w - image_size) / 2.0)), int(round((new_h - image_size) / 2.0))
+        boxes.append([left / new_w, top / new_h, (left + image_size) / new_w, (top + image_size) / new_h])
+    return torch.tensor(boxes, dtype=torch.float32).view(-1, 4)
 
 
-def _labeled(folder: Path) -> ImageList:
-    images = scan_image_folder(folder)
-    if len(images.classes) < 2 or any(label is None for label in images.labels):
+@dataclass
+class _Split:
+    dataset: CachedBatchDataset
+    labels: torch.Tensor  # [N] int64 into the monitor's class list
+
+
+def _labeled_split(folder: Path, image_size: int, max_images: int, cache_root, workers: int):
+    """``(cached images, their labels)`` of one labeled folder (unreadable files left out)."""
+    files = [f for f in walk_image_files(folder) if f.skip_reason is None]
+    if len({f.label for f in files}) < 2 or any(f.label is None for f in files):
         raise DataError(f"k-NN folder {folder} needs images in at least two labeled subfolders (<folder>/<label>/...)")
-    return images
+    if len(files) > max_images:  # a fixed, even spread
+        keep = torch.linspace(0, len(files) - 1, max_images).round().long().unique().tolist()
+        files = [files[i] for i in keep]
+    cached, failed = ImageCache(folder, cache_side(image_size), cache_root).update(files, workers, progress=False)
+    readable = [f for f in files if f.path not in failed]
+    return cached, [f.label for f in readable]
 
 
 class KnnMonitor:
@@ -40,37 +65,51 @@ class KnnMonitor:
 
     Args:
         folder: labeled image folder (see module docstring).
-        image_size: eval preprocessing size (the training crop size).
+        image_size: evaluation size (the training crop size).
         k, temperature: k-NN vote parameters.
         max_images: cap on images per split (a fixed, evenly spread subset).
-        batch_size, workers: feature-extraction loader settings.
+        batch_size: images per forward pass.
+        cache_root: where the image cache lives (None: the default).
+        workers: processes decoding images into the cache the first time.
     """
 
     def __init__(self, folder: str | Path, image_size: int, k: int = KNN_K, temperature: float = KNN_TEMPERATURE,
-                 max_images: int = 5000, batch_size: int = 256, workers: int = 0):
+                 max_images: int = 5000, batch_size: int = 256, cache_root=None, workers: int = 0):
         folder = Path(folder)
         split = next((folder / name for name in ("val", "test") if (folder / name).is_dir()), None)
-        transform = eval_transform(image_size)
-        if (folder / "train").is_dir() and split is not None:
-            train, test = _labeled(folder / "train"), _labeled(split)
-            classes = sorted(set(train.classes) | set(test.classes))
-            self.train_set = FolderDataset(_capped(train, max_images), transform)
-            self.test_set = FolderDataset(_capped(test, max_images), transform)
-            for dataset in (self.train_set, self.test_set):  # one label space across both splits
-                dataset.targets = [classes.index(label) for label in dataset.images.labels]
-        else:
-            self.train_set = FolderDataset(_capped(_labeled(folder), max_images), transform)
-            self.test_set = None
-        self.folder, self.k, self.temperature = folder, k, temperature
-        self.batch_size, self.workers = batch_size, workers
+        roots = [folder / "train", split] if (folder / "train").is_dir() and split is not None else [folder]
+        parts = [_labeled_split(root, image_size, max_images, cache_root, workers) for root in roots]
+        classes = sorted({label for _, labels in parts for label in labels})
+        index = {name: i for i, name in enumerate(classes)}
+        self.splits = [_Split(CachedBatchDataset(cached, [index[x] for x in labels]),
+                              torch.tensor([index[x] for x in labels], dtype=torch.int64)) for cached, labels in parts]
+        self.folder, self.image_size, self.k, self.temperature = folder, image_size, k, temperature
+        self.batch_size = batch_size
 
     def __len__(self) -> int:
-        return len(self.train_set) + (len(self.test_set) if self.test_set is not None else 0)
+        return sum(len(s.labels) for s in self.splits)
+
+    @torch.no_grad()
+    def features(self, backbone: nn.Module, split: _Split, device: torch.device) -> torch.Tensor:
+        """L2-normalised float32 features ``[N, D]`` (on the CPU) of a split, in eval mode."""
+        mean = torch.tensor(IMAGENET_MEAN, device=device).view(1, 3, 1, 1)
+        std = torch.tensor(IMAGENET_STD, device=device).view(1, 3, 1, 1)
+        feats = []
+        for pixels, sizes, _, _ in eval_batches(split.dataset, self.batch_size):
+            x = pixels.to(device).permute(0, 3, 1, 2).float().div_(255)
+            x = (crop_resize(x, eval_crop_boxes(sizes, self.image_size).to(device), self.image_size) - mean) / std
+            feats.append(F.normalize(backbone(x).float(), dim=1).cpu())
+        return torch.cat(feats)
 
     def evaluate(self, backbone: nn.Module, device: torch.device) -> float:
         """Top-1 accuracy in [0, 1] of weighted k-NN on the backbone's features."""
-        train_x, train_y = extract_features(backbone, eval_loader(self.train_set, self.batch_size, self.workers), device)
-        if self.test_set is None:
-            return knn_accuracy(train_x, train_y, k=self.k, temperature=self.temperature)
-        test_x, test_y = extract_features(backbone, eval_loader(self.test_set, self.batch_size, self.workers), device)
-        return knn_accuracy(train_x, train_y, test_x, test_y, k=self.k, temperature=self.temperature)
+        was_training = backbone.training
+        backbone.eval()
+        try:
+            xs = [self.features(backbone, split, device) for split in self.splits]
+        finally:
+            backbone.train(was_training)
+        if len(xs) == 1:
+            return knn_accuracy(xs[0], self.splits[0].labels, k=self.k, temperature=self.temperature)
+        return knn_accuracy(xs[0], self.splits[0].labels, xs[1], self.splits[1].labels, k=self.k,
+                            temperature=self.temperature)

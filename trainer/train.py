@@ -1,8 +1,10 @@
-"""The training loop: one function, :func:`train`, for one CPU process, one GPU, or many under torchrun.
+"""The training loop, for one CPU process, one GPU, or many under torchrun: :func:`setup`, :func:`run_epoch`
+and :func:`train_step`, tied together by :func:`train`.
 
-Order of work: validate everything (device, data, batch and queue sizes, the run directory) before writing
-anything; build the model, resume from ``checkpoint_last.pt`` when the run directory has one; then per epoch
-train, monitor k-NN accuracy, write ``metrics.jsonl``, the plot and an atomic checkpoint.
+Order of work: validate everything and scan the folder before writing anything; decode new images into the
+image cache; resolve the recipe; build the model and resume from ``checkpoint_last.pt`` when the run directory
+has one; then per epoch train, monitor k-NN accuracy, write ``metrics.jsonl``, the plot and an atomic
+checkpoint. A ``--time-budget`` run plans its length from the first minute's throughput and stops on time.
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import os
 import random
 import secrets
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -22,15 +24,9 @@ from tqdm import tqdm
 
 from contracts.atomic import link_or_copy_atomic, write_text_atomic
 from contracts.errors import ConfigError, DataError, OutputError
+from contracts.images import no_images_message, walk_image_files
 from trainer import dist
-from trainer.build import (
-    build_model,
-    build_optimizer,
-    build_transform,
-    key_momentum_at,
-    lr_at,
-    memory_format,
-)
+from trainer.batch_augment import TwoViewAugment
 from trainer.checkpoint import (
     CHECKPOINT_FORMAT,
     CHECKPOINT_VERSION,
@@ -41,13 +37,26 @@ from trainer.checkpoint import (
     set_rng_state,
 )
 from trainer.config import RESUME_MUST_MATCH, TrainConfig
-from trainer.data import FolderDataset, training_loader
-from trainer.device import resolve_device
-from trainer.imagefolder import scan_image_folder
+from trainer.data import CachedBatchDataset, epoch_sampler, training_loader
+from trainer.device import resolve_amp, resolve_device
+from trainer.image_cache import ImageCache, cache_side
 from trainer.monitor import KnnMonitor
 from trainer.plots import plot_metrics
+from trainer.recipes import (
+    MONITOR_EVALUATIONS,
+    resolve_before_training,
+    resolve_schedule,
+)
+from trainer.schedule import Schedule, TimeBudget
+from trainer.variants import Variant, variant_for
 
 LOG = logging.getLogger(__name__)
+
+# Short epochs (50 steps of 2 s on a CPU) would spend a large share of the run writing 130 MB checkpoints and
+# plots: checkpoint_last.pt is written at epoch ends at most this often (and always at the end, on Ctrl-C, at
+# --save-every epochs and every --save-every-steps), the plot likewise.
+CHECKPOINT_INTERVAL = 60.0
+PLOT_INTERVAL = 30.0
 
 METRICS = "metrics.jsonl"
 PLOT = "metrics.png"
@@ -65,42 +74,43 @@ class TrainResult:
     images: int
     skipped: int
     model: torch.nn.Module | None = None  # the trained MoCo model (unwrapped from DDP), on its device
+    knn_before: float | None = None  # k-NN top-1 at random initialisation (when the monitor ran at step 0)
+    stopped_by: str = "epochs"  # epochs, stop-at-epoch, time budget, steps
 
 
-MIN_BN_GROUP = 16
+@dataclass
+class Session:
+    """Everything a run holds while it trains (built by :func:`setup`)."""
 
+    cfg: TrainConfig
+    variant: Variant
+    device: torch.device
+    run_dir: Path
+    paths: list[str]
+    model: torch.nn.Module
+    ddp_model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    augment: TwoViewAugment
+    loader: torch.utils.data.DataLoader
+    steps_per_epoch: int
+    schedule: Schedule
+    amp: bool
+    skipped: dict[str, str]
+    monitor: KnnMonitor | None = None
+    budget: TimeBudget | None = None
+    epoch: int = 0  # epochs complete
+    batch_in_epoch: int = 0  # batches of the next epoch complete
+    step: int = 0
+    resumed: bool = False
+    eval_seconds: float = 0.0  # measured duration of one k-NN evaluation
+    save_seconds: float = 1.0  # measured duration of one checkpoint write (a guess until the first)
+    last_save: float = field(default_factory=time.perf_counter)
+    last_plot: float = 0.0
+    generator: torch.Generator = field(default_factory=torch.Generator)
 
-def resolve_bn_splits(requested: int, per_process_batch: int, world_size: int) -> int:
-    """Split-BN groups: as requested, or in one process up to 8 groups of at least ``MIN_BN_GROUP`` images
-    (1 under DDP, where shuffle-BN across processes does the job)."""
-    if requested:
-        if per_process_batch % requested:
-            raise ConfigError(f"--bn-splits {requested} must divide the per-process batch {per_process_batch}")
-        return requested
-    if world_size > 1:
-        return 1
-    # groups of fewer than ~16 images give BN statistics too noisy to learn from (measured: 4 per group stalls)
-    return max(g for g in range(1, 9) if per_process_batch % g == 0 and per_process_batch // g >= MIN_BN_GROUP or g == 1)
-
-
-def fit_queue_to_data(queue_size: int, batch_size: int, num_images: int) -> int:
-    """The MoCo v2 queue length to use: ``queue_size``, capped at half the images (a multiple of the batch).
-
-    A queue as long as an epoch holds an older key of every image, so each query would meet its own image as
-    a negative and training collapses (seen on small folders: loss climbs to log(K+1), k-NN accuracy falls).
-    MoCo's ImageNet setting keeps K at 5% of the images; half is the most that still works.
-    """
-    limit = num_images // 2 // batch_size * batch_size
-    if queue_size <= limit:
-        return queue_size
-    if limit < batch_size:
-        raise DataError(
-            f"{num_images} images are too few for MoCo v2 with --batch-size {batch_size}: the queue needs at least "
-            f"two batches of other images; add images or lower --batch-size"
-        )
-    LOG.warning("--queue-size %d is more than half of the %d images; using %d so the queue never holds the "
-                "query's own image", queue_size, num_images, limit)
-    return limit
+    @property
+    def is_main(self) -> bool:
+        return dist.rank() == 0
 
 
 def seed_everything(seed: int) -> None:
@@ -109,8 +119,12 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def _step_seed(seed: int, step: int, rank: int) -> int:
+    """A distinct, reproducible seed per (run seed, step, rank): augmentations resume exactly at any step."""
+    return (seed * 1_000_003 + step * 10_007 + rank * 101 + 17) % 2**63
+
+
 def _epoch_seed(seed: int, epoch: int, rank: int) -> int:
-    """A distinct, reproducible seed per (run seed, epoch, rank): resuming at an epoch boundary is exact."""
     return (seed * 1_000_003 + epoch * 10_007 + rank * 101) % 2**63
 
 
@@ -124,12 +138,21 @@ def _check_writable(run_dir: Path) -> None:
         raise OutputError(f"cannot write to run directory {run_dir}: {exc.strerror or exc}") from exc
 
 
-def _check_resume_matches(cfg: TrainConfig, saved: dict, path: Path) -> None:
-    diffs = [f"{k}={saved.get(k)!r} (now {getattr(cfg, k)!r})" for k in RESUME_MUST_MATCH if saved.get(k) != getattr(cfg, k)]
+def _merge_saved(cfg: TrainConfig, saved: dict, path: Path) -> TrainConfig:
+    """The config of a resumed run: what the user set now, the saved value for everything left unset (the
+    recipe's choices are kept, never re-derived); refuses a change to the fields that define the run."""
+    values = cfg.to_dict()
+    for name, value in saved.items():
+        if name in values and (values[name] is None or (name == "stem" and values[name] == "auto")):
+            values[name] = value
+    values["derived"] = saved.get("derived", {})
+    values["run_id"] = saved.get("run_id", "")
+    merged = TrainConfig.from_dict(values)
+    diffs = [f"{k}={saved.get(k)!r} (now {getattr(merged, k)!r})" for k in RESUME_MUST_MATCH
+             if k in saved and saved.get(k) != getattr(merged, k)]
     if diffs:
-        raise ConfigError(
-            f"{path} was trained with {', '.join(diffs)}; rerun with the same options or use a new --out"
-        )
+        raise ConfigError(f"{path} was trained with {', '.join(diffs)}; rerun with the same options or use a new --out")
+    return merged
 
 
 def _append_jsonl(path: Path, row: dict) -> None:
@@ -156,11 +179,350 @@ def _find_knn_folder(cfg: TrainConfig, labeled_training_data: bool) -> str | Non
     return cfg.data_dir if labeled_training_data else None
 
 
+# -- setup ---------------------------------------------------------------------------------------------------------
+def _scan_and_cache(cfg: TrainConfig, is_main: bool) -> tuple[list, object, dict[str, str]]:
+    """The readable images of the folder (in walk order), their cached pixels and the skipped files."""
+    found = walk_image_files(cfg.data_dir)
+    skipped = {f.path: f.skip_reason for f in found if f.skip_reason}
+    usable = [f for f in found if f.skip_reason is None]
+    if not usable:
+        raise DataError(no_images_message(cfg.data_dir, len(skipped)))
+    cached, failed = ImageCache(cfg.data_dir, cache_side(cfg.image_size), cfg.cache_dir).update(
+        usable, workers=cfg.workers, progress=is_main)
+    skipped.update(failed)
+    readable = [f for f in usable if f.path not in failed]
+    if not readable:
+        raise DataError(no_images_message(cfg.data_dir, len(skipped)))
+    return readable, cached, skipped
+
+
+def setup(cfg: TrainConfig, device: torch.device, resume: str | Path | None = None) -> Session:
+    """Validate, scan and cache the data, resolve the recipe, build (or resume) the model, optimizer and loader.
+
+    Raises:
+        ConfigError, DataError, OutputError, ArtifactError: before anything is written to the run directory.
+    """
+    rank, world = dist.rank(), dist.world_size()
+    is_main = rank == 0
+    run_dir = Path(cfg.out_dir)
+    if cfg.batch_size is not None and cfg.batch_size % world:
+        raise ConfigError(f"--batch-size {cfg.batch_size} (global) must be divisible by the {world} processes")
+    resume_path = Path(resume) if resume else run_dir / LAST
+    if resume_path.is_dir():
+        resume_path = resume_path / LAST
+    ckpt = load_checkpoint(resume_path) if resume or resume_path.exists() else None
+    if ckpt is not None:
+        cfg = _merge_saved(cfg, ckpt["config"], resume_path)
+    files, cached, skipped = _scan_and_cache(cfg, is_main)
+    variant = variant_for(cfg)
+    cfg = resolve_before_training(cfg, variant, len(files), world, device.type == "cuda")
+    if ckpt is None:
+        cfg = cfg.replace(run_id=dist.broadcast_object(cfg.run_id or time.strftime("%Y%m%d-%H%M%S-")
+                                                       + secrets.token_hex(3)))
+    per_process_batch = cfg.batch_size // world
+    labels = [f.label for f in files]
+    knn_folder = _find_knn_folder(cfg, len(set(labels)) >= 2 and None not in labels)
+    monitor = None
+    if knn_folder is not None and is_main:
+        monitor = KnnMonitor(knn_folder, cfg.image_size, cfg.knn_k, cfg.knn_temperature, cfg.knn_max_images,
+                             batch_size=max(64, per_process_batch), cache_root=cfg.cache_dir, workers=cfg.workers)
+    if is_main:
+        _check_writable(run_dir)
+    dist.barrier()
+
+    # ---- model, optimizer, state ---------------------------------------------------------------------------
+    seed_everything(cfg.seed)
+    layout = variant.memory_format
+    bn_splits = variant.bn_splits(cfg.bn_splits, per_process_batch, world)
+    model = variant.build_model(cfg, bn_splits).to(device, memory_format=layout)
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = True  # fixed input shapes: let cuDNN time and keep its fastest kernels
+    optimizer = variant.build_optimizer(cfg, model)
+    session_state = {}
+    if ckpt is not None:
+        model.load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        session_state = {"epoch": ckpt["epoch"], "step": ckpt["step"], "batch_in_epoch": ckpt.get("batch_in_epoch", 0)}
+        set_rng_state(ckpt["rng"])
+    if variant.sync_bn(world, device):
+        # conversion reuses the Parameter objects: the optimizer stays valid
+        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    if cfg.compile:
+        model.encoder_q.compile()
+        model.encoder_k.compile()
+    ddp_model = model
+    if world > 1:
+        ddp_model = DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False
+        )
+    amp, amp_why = resolve_amp(cfg.amp, device)
+
+    labels_index = {name: i for i, name in enumerate(sorted({x for x in labels if x is not None}))}
+    dataset = CachedBatchDataset(cached, [labels_index.get(x, -1) for x in labels])
+    loader_workers = min(cfg.workers, 2) if device.type == "cuda" else 0  # on a CPU, gathering rows costs < 1 ms
+    loader = training_loader(dataset, per_process_batch, loader_workers, rank, world, cfg.seed,
+                             device.type == "cuda")
+    steps_per_epoch = len(loader)
+    augment = TwoViewAugment(variant.views(), cfg.image_size, layout)
+
+    budget = None
+    saved_schedule = (ckpt or {}).get("schedule", {})
+    if cfg.budget_seconds is not None:
+        budget = TimeBudget(cfg.budget_seconds, spent=saved_schedule.get("spent_seconds", 0.0),
+                            total_steps=saved_schedule.get("total_steps", 0))
+        total = budget.total_steps or _provisional_total(cfg, steps_per_epoch)
+        if budget.calibrated:
+            cfg = resolve_schedule(cfg, variant, total, steps_per_epoch)
+    else:
+        cfg = resolve_schedule(cfg, variant, (cfg.epochs or 200) * steps_per_epoch, steps_per_epoch)
+        total = cfg.epochs * steps_per_epoch
+    s = Session(cfg=cfg, variant=variant, device=device, run_dir=run_dir, paths=[f.path for f in files], model=model,
+                ddp_model=ddp_model, optimizer=optimizer, augment=augment, loader=loader,
+                steps_per_epoch=steps_per_epoch, schedule=_schedule(cfg, variant, total, steps_per_epoch), amp=amp,
+                skipped=skipped, monitor=monitor, budget=budget, resumed=ckpt is not None, **session_state)
+    s.generator = torch.Generator(device=device)
+    if s.batch_in_epoch >= steps_per_epoch:  # interrupted after the last batch of an epoch: that epoch is done
+        s.epoch, s.batch_in_epoch = s.epoch + 1, 0
+    if is_main:
+        if ckpt is not None:
+            LOG.info("resuming %s from epoch %d, batch %d (step %d)", run_dir,
+                     s.epoch + 1 if s.batch_in_epoch else s.epoch, s.batch_in_epoch, s.step)
+            _truncate_metrics(run_dir / METRICS, s.step)
+        write_text_atomic(run_dir / CONFIG, cfg.to_json() + "\n")
+        _write_skipped(run_dir / SKIPPED, skipped)
+        plan = (f"for {cfg.time_budget} (steps planned after the first minute)" if budget is not None
+                and not budget.calibrated else f"for {cfg.epochs} epochs ({s.schedule.total_steps} steps)")
+        LOG.info("training %s %s on %d images (%d skipped) %s: %d processes x %d images, %d steps/epoch, device "
+                 "%s, bf16 %s (%s), bn splits %d, recipe %s", variant.name, cfg.arch, len(files), len(skipped), plan,
+                 world, per_process_batch, steps_per_epoch, device, "on" if amp else "off", amp_why, bn_splits,
+                 cfg.recipe)
+        for name, item in cfg.derived.items():
+            LOG.debug("  %s = %s: %s", name, item["value"], item["why"])
+    return s
+
+
+def _provisional_total(cfg: TrainConfig, steps_per_epoch: int) -> int:
+    """Before a budgeted run has measured itself: a placeholder length (one step per second of budget)."""
+    return max(steps_per_epoch, int(cfg.budget_seconds))
+
+
+def _schedule(cfg: TrainConfig, variant: Variant, total: int, steps_per_epoch: int) -> Schedule:
+    warmup_epochs = cfg.warmup_epochs if cfg.warmup_epochs is not None else 0.0
+    momentum = cfg.momentum if cfg.momentum is not None else 0.99
+    return Schedule(peak_lr=cfg.effective_lr, warmup_steps=int(warmup_epochs * steps_per_epoch), total_steps=total,
+                    m0=momentum, momentum_fn=variant.key_momentum)
+
+
+# -- one step, one epoch -----------------------------------------------------------------------------------------
+def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, x1: torch.Tensor, x2: torch.Tensor,
+               lr: float, m: float, amp: bool) -> torch.Tensor:
+    """One optimizer step on two augmented views ``[N, 3, H, W]`` at learning rate ``lr`` and key momentum
+    ``m``; returns the (detached) loss.
+
+    Raises:
+        ConfigError: the loss is not finite (the learning rate is too high for this model).
+    """
+    for group in optimizer.param_groups:
+        group["lr"] = lr * group.get("lr_mult", 1.0)
+    with torch.autocast(x1.device.type, dtype=torch.bfloat16, enabled=amp):
+        loss = model(x1, x2, m)
+    if not torch.isfinite(loss):
+        raise ConfigError(f"loss became {loss.item()}; lower --lr or train without bf16 (--no-amp)")
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
+    return loss.detach()
+
+
+def _calibrate(s: Session) -> None:
+    """Fix a budgeted run's length from the measured speed, and everything that depends on it (keeping time
+    for the monitor's evaluations, the checkpoints and the final evaluation)."""
+    budget = s.budget
+    saves = budget.remaining() / CHECKPOINT_INTERVAL + 2
+    evaluations = (MONITOR_EVALUATIONS + 1) if s.monitor is not None else 0
+    total = budget.estimate_total(s.step, evaluations * s.eval_seconds + saves * s.save_seconds)
+    budget.total_steps = total
+    s.cfg = resolve_schedule(s.cfg, s.variant, total, s.steps_per_epoch)
+    s.schedule = _schedule(s.cfg, s.variant, total, s.steps_per_epoch)
+    if s.is_main:
+        rate = s.cfg.batch_size / budget.seconds_per_step
+        LOG.info("time budget %s: measured %.0f images/s, so %d steps (%.1f epochs), %d of them warm-up; %.0f s left",
+                 s.cfg.time_budget, rate, total, total / s.steps_per_epoch, s.schedule.warmup_steps,
+                 budget.remaining())
+        write_text_atomic(s.run_dir / CONFIG, s.cfg.to_json() + "\n")
+
+
+def run_epoch(s: Session, epoch: int, end_step: int) -> dict:
+    """Train epoch ``epoch`` from batch ``s.batch_in_epoch`` until its end, ``end_step``, or the time budget.
+
+    Returns:
+        ``{"losses": [...], "seen": images, "seconds": s, "stopped": reason or None}``.
+    """
+    cfg, rank = s.cfg, dist.rank()
+    sampler = epoch_sampler(s.loader)
+    sampler.set_epoch(epoch)
+    first_batch = s.batch_in_epoch
+    sampler.skip = first_batch * (cfg.batch_size // dist.world_size())
+    # the bar is for terminals (disable=None: off when stderr is not a TTY); logs get one line per epoch
+    bar = tqdm(s.loader, desc=f"epoch {epoch + 1}" + (f"/{cfg.epochs}" if cfg.epochs else ""),
+               disable=None if s.is_main else True, leave=False, dynamic_ncols=True)
+    tic, seen, losses, stopped = time.perf_counter(), 0, [], None
+    steps_this_epoch, last = 0, tic
+    try:
+        for pixels, sizes, _, _ in bar:
+            s.generator.manual_seed(_step_seed(cfg.seed, s.step, rank))
+            pixels = pixels.to(s.device, non_blocking=True)
+            x1, x2 = s.augment(pixels, sizes.to(s.device), s.generator)
+            lr, m = s.schedule.lr(s.step), s.schedule.momentum(s.step)
+            loss = train_step(s.ddp_model, s.optimizer, x1, x2, lr, m, s.amp)
+            losses.append(float(loss))
+            s.step += 1
+            s.batch_in_epoch += 1
+            seen += cfg.batch_size
+            steps_this_epoch += 1
+            now = time.perf_counter()
+            if s.budget is not None:  # the whole step: waiting for the batch, augmenting, training
+                s.budget.record_step(steps_this_epoch - 1, now - last)
+                if s.budget.calibration_due():
+                    _calibrate(s)
+            last = now
+            images_per_s = seen / (time.perf_counter() - tic)
+            bar.set_postfix(loss=f"{losses[-1]:.3f}", lr=f"{lr:.4f}", img_s=f"{images_per_s:.0f}")
+            if s.is_main and s.step % cfg.log_every == 0:
+                _append_jsonl(s.run_dir / METRICS, {"kind": "step", "epoch": epoch, "step": s.step, "loss": losses[-1],
+                                                    "lr": lr, "momentum": m, "images_per_s": images_per_s,
+                                                    "elapsed_s": _elapsed(s)})
+            if cfg.save_every_steps and s.step % cfg.save_every_steps == 0 and s.batch_in_epoch < s.steps_per_epoch \
+                    and s.is_main:
+                save(s)
+            if s.step >= end_step:
+                stopped = "steps"
+                break
+            if s.budget is not None and _stop_for_time(s):
+                stopped = "time budget"
+                break
+    except KeyboardInterrupt:
+        if s.is_main and dist.world_size() == 1 and s.batch_in_epoch > first_batch:
+            save(s)  # under DDP other ranks may be inside a collective
+            LOG.warning("interrupted: saved %s at epoch %d, batch %d (step %d)", s.run_dir / LAST, epoch + 1,
+                        s.batch_in_epoch, s.step)
+        raise
+    finally:
+        bar.close()
+    return {"losses": losses, "seen": seen, "seconds": time.perf_counter() - tic, "stopped": stopped}
+
+
+def _stop_for_time(s: Session) -> bool:
+    """Every rank stops at the same step: rank 0's clock decides."""
+    stop = s.budget.should_stop(s.step)
+    if dist.world_size() > 1:
+        stop = bool(dist.broadcast_object(stop))
+    return stop
+
+
+def _elapsed(s: Session) -> float | None:
+    return round(s.budget.elapsed(), 3) if s.budget is not None else None
+
+
+def save(s: Session) -> None:
+    """Write checkpoint_last.pt: ``s.epoch`` epochs complete plus ``s.batch_in_epoch`` batches of the next."""
+    tic = time.perf_counter()
+    schedule = {"total_steps": s.schedule.total_steps, "warmup_steps": s.schedule.warmup_steps}
+    if s.budget is not None:
+        schedule.update(total_steps=s.budget.total_steps, spent_seconds=s.budget.elapsed())
+    save_atomic({
+        "format": CHECKPOINT_FORMAT, "format_version": CHECKPOINT_VERSION, "run_id": s.cfg.run_id,
+        "config": s.cfg.to_dict(), "model": s.model.state_dict(), "optimizer": s.optimizer.state_dict(),
+        "epoch": s.epoch, "batch_in_epoch": s.batch_in_epoch, "step": s.step, "rng": rng_state(),
+        "schedule": schedule, "torch_version": str(torch.__version__),
+    }, s.run_dir / LAST)
+    s.last_save = time.perf_counter()
+    s.save_seconds = s.last_save - tic
+
+
+# -- the run --------------------------------------------------------------------------------------------------------
+def _end_step(s: Session, stop_at_epoch: int | None) -> tuple[int, str]:
+    if s.budget is not None:
+        return 2**62, "time budget"
+    if stop_at_epoch is not None and stop_at_epoch < s.cfg.epochs:
+        return stop_at_epoch * s.steps_per_epoch, "stop-at-epoch"
+    return s.cfg.epochs * s.steps_per_epoch, "epochs"
+
+
+def run(s: Session, stop_at_epoch: int | None = None) -> TrainResult:
+    """Train until the schedule, ``stop_at_epoch`` or the time budget ends; evaluate, log and checkpoint."""
+    cfg = s.cfg
+    end_step, reason = _end_step(s, stop_at_epoch)
+    loss_value, knn_acc, knn_before = None, None, None
+    if s.monitor is not None and s.step == 0 and end_step > 0:
+        tic = time.perf_counter()
+        knn_before = knn_acc = s.monitor.evaluate(s.model.backbone, s.device)
+        s.eval_seconds = time.perf_counter() - tic
+        LOG.info("k-NN top-1 before training: %.2f%% (%d images from %s)", 100 * knn_acc, len(s.monitor),
+                 s.monitor.folder)
+        _append_jsonl(s.run_dir / METRICS, {"kind": "epoch", "epoch": 0, "step": 0, "knn_acc": knn_acc,
+                                            "elapsed_s": _elapsed(s)})
+    stopped = None
+    start_step = s.step
+    while s.step < end_step and stopped is None:
+        if s.budget is not None and _stop_for_time(s):
+            stopped = "time budget"
+            break
+        epoch = s.epoch
+        s.ddp_model.train()
+        if s.batch_in_epoch == 0:  # inside an epoch the RNG states came back from the checkpoint
+            seed_everything(_epoch_seed(cfg.seed, epoch, dist.rank()))
+        stats = run_epoch(s, epoch, end_step)
+        stopped = stats["stopped"]
+        complete = s.batch_in_epoch >= s.steps_per_epoch
+        if complete:
+            s.epoch, s.batch_in_epoch = epoch + 1, 0
+        tic = time.perf_counter()
+        losses = stats["losses"] or [float("nan")]
+        loss_value = float(dist.all_reduce_mean(torch.tensor(float(np.mean(losses)))).item())
+        for part in dist.gather_objects(dict(s.skipped)):
+            s.skipped.update(part)
+        finished = stopped is not None or s.step >= end_step
+        knn_acc = None
+        knn_every = s.cfg.knn_every  # None until a budgeted run has planned its length
+        if s.monitor is not None and (finished or (complete and knn_every and s.epoch % knn_every == 0)):
+            t_eval = time.perf_counter()
+            knn_acc = s.monitor.evaluate(s.model.backbone, s.device)
+            s.eval_seconds = time.perf_counter() - t_eval
+        if s.is_main:
+            row = {"kind": "epoch", "epoch": epoch + 1 if complete else round(epoch + s.batch_in_epoch /
+                                                                              s.steps_per_epoch, 3),
+                   "step": s.step, "loss": loss_value, "lr": s.schedule.lr(max(0, s.step - 1)),
+                   "epoch_time_s": stats["seconds"], "images_per_s": stats["seen"] / max(1e-9, stats["seconds"]),
+                   "knn_acc": knn_acc, "elapsed_s": _elapsed(s)}
+            _append_jsonl(s.run_dir / METRICS, row)
+            _write_skipped(s.run_dir / SKIPPED, s.skipped)
+            knn_text = f", k-NN top-1 {100 * knn_acc:.2f}%" if knn_acc is not None else ""
+            LOG.info("epoch %s: loss %.4f, %.0f images/s%s", row["epoch"], loss_value, row["images_per_s"], knn_text)
+            keep = complete and (s.epoch % cfg.save_every == 0 or finished)
+            if finished or keep or time.perf_counter() - s.last_save >= CHECKPOINT_INTERVAL:
+                save(s)
+            if keep:
+                link_or_copy_atomic(s.run_dir / LAST, s.run_dir / f"checkpoint_{s.epoch:04d}.pt")
+            if finished or time.perf_counter() - s.last_plot >= PLOT_INTERVAL:
+                plot_metrics(s.run_dir / METRICS, s.run_dir / PLOT)
+                s.last_plot = time.perf_counter()
+        dist.barrier()
+    if s.resumed and s.step == start_step:
+        LOG.info("%s already trained (%d steps); nothing to do", s.run_dir, s.step)
+    if stopped is None:
+        stopped = reason
+    elif stopped == "steps":
+        stopped = reason
+    return TrainResult(s.run_dir, s.epoch, s.step, loss_value, knn_acc, len(s.paths), len(s.skipped), s.model,
+                       knn_before, stopped)
+
+
 def train(cfg: TrainConfig, resume: str | Path | None = None, stop_at_epoch: int | None = None) -> TrainResult:
     """Train MoCo as configured; resume automatically from ``cfg.out_dir/checkpoint_last.pt`` if it exists.
 
     Args:
-        cfg: the run's configuration.
+        cfg: the run's configuration (options left at None are chosen by ``cfg.recipe``).
         resume: a checkpoint file or run directory to continue from (default: the run directory's own).
         stop_at_epoch: stop after this many epochs (of ``cfg.epochs``); the schedules still span ``cfg.epochs``
             and a later call continues the same run.
@@ -172,187 +534,6 @@ def train(cfg: TrainConfig, resume: str | Path | None = None, stop_at_epoch: int
     device = resolve_device(cfg.device, info.local_rank)
     dist.init(device)
     try:
-        return _train(cfg, device, resume, stop_at_epoch)
+        return run(setup(cfg, device, resume), stop_at_epoch)
     finally:
         dist.cleanup()
-
-
-def _train(cfg: TrainConfig, device: torch.device, resume, stop_at_epoch) -> TrainResult:
-    rank, world = dist.rank(), dist.world_size()
-    is_main = rank == 0
-    run_dir = Path(cfg.out_dir)
-
-    # ---- validate everything before writing anything --------------------------------------------------
-    if cfg.batch_size % world:
-        raise ConfigError(f"--batch-size {cfg.batch_size} (global) must be divisible by the {world} processes")
-    per_process_batch = cfg.batch_size // world
-    images = scan_image_folder(cfg.data_dir)
-    if len(images) < cfg.batch_size:
-        raise DataError(
-            f"{cfg.data_dir} has {len(images)} readable images, fewer than one batch ({cfg.batch_size}); "
-            f"add images or lower --batch-size"
-        )
-    # split-BN is v2's stand-in for shuffle-BN; v3 compares in-batch keys from the momentum encoder and needs none
-    bn_splits = resolve_bn_splits(cfg.bn_splits, per_process_batch, world) if cfg.moco_version == 2 else 1
-    if cfg.moco_version == 2:
-        cfg = cfg.replace(queue_size=fit_queue_to_data(cfg.queue_size, cfg.batch_size, len(images)))
-    knn_folder = _find_knn_folder(cfg, len(images.classes) >= 2 and None not in images.labels)
-    monitor = None
-    if knn_folder is not None and is_main:
-        monitor = KnnMonitor(knn_folder, cfg.image_size, cfg.knn_k, cfg.knn_temperature, cfg.knn_max_images,
-                             batch_size=max(64, per_process_batch), workers=min(cfg.workers, 2))
-
-    resume_path = Path(resume) if resume else run_dir / LAST
-    if resume_path.is_dir():
-        resume_path = resume_path / LAST
-    ckpt = None
-    if resume or resume_path.exists():
-        ckpt = load_checkpoint(resume_path)
-        _check_resume_matches(cfg, ckpt["config"], resume_path)
-        cfg = cfg.replace(run_id=ckpt["run_id"])
-    else:
-        cfg = cfg.replace(run_id=dist.broadcast_object(cfg.run_id or time.strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(3)))
-    if is_main:
-        _check_writable(run_dir)
-    dist.barrier()
-
-    # ---- model, optimizer, state ---------------------------------------------------------------------
-    seed_everything(cfg.seed)
-    layout = memory_format(cfg)
-    model = build_model(cfg, bn_splits).to(device, memory_format=layout)
-    if device.type == "cuda":
-        torch.backends.cudnn.benchmark = True  # fixed input shapes: let cuDNN time and keep its fastest kernels
-    optimizer = build_optimizer(cfg, model)
-    start_epoch, step, start_batch = 0, 0, 0
-    if ckpt is not None:
-        model.load_state_dict(ckpt["model"])
-        optimizer.load_state_dict(ckpt["optimizer"])
-        start_epoch, step, start_batch = ckpt["epoch"], ckpt["step"], ckpt.get("batch_in_epoch", 0)
-        set_rng_state(ckpt["rng"])
-        if is_main:
-            LOG.info("resuming %s from epoch %d, batch %d (step %d)", run_dir, start_epoch + 1 if start_batch else start_epoch,
-                     start_batch, step)
-            _truncate_metrics(run_dir / METRICS, step)
-    if world > 1 and cfg.moco_version == 3 and device.type == "cuda":
-        # v3 normalises over the global batch (SyncBN, as in the paper); torch's SyncBN has no CPU kernel, so
-        # gloo/CPU runs keep per-process BN. Conversion reuses the Parameter objects: the optimizer stays valid.
-        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    if cfg.compile:
-        model.encoder_q.compile()
-        model.encoder_k.compile()
-    ddp_model = model
-    if world > 1:
-        ddp_model = DistributedDataParallel(
-            model, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False
-        )
-    amp = cfg.amp if cfg.amp is not None else device.type == "cuda"
-
-    dataset = FolderDataset(images, build_transform(cfg))
-    loader = training_loader(dataset, per_process_batch, cfg.workers, rank, world, cfg.seed, device.type == "cuda")
-    steps_per_epoch = len(loader)
-    if start_batch >= steps_per_epoch:  # interrupted after the last batch of an epoch: that epoch is done
-        start_epoch, start_batch = start_epoch + 1, 0
-    skipped = {rel: reason for rel, reason in images.skipped}
-    if is_main:
-        write_text_atomic(run_dir / CONFIG, cfg.to_json() + "\n")
-        _write_skipped(run_dir / SKIPPED, skipped)
-        LOG.info(
-            "training MoCo v%d %s on %d images (%d skipped) for %d epochs: %d processes x %d images, %d steps/epoch, "
-            "device %s, amp %s, bn splits %d", cfg.moco_version, cfg.arch, len(images), len(skipped), cfg.epochs,
-            world, per_process_batch, steps_per_epoch, device, amp, bn_splits,
-        )
-
-    end_epoch = min(cfg.epochs, stop_at_epoch) if stop_at_epoch is not None else cfg.epochs
-    loss_value, knn_acc = None, None
-    if monitor is not None and start_epoch == 0 and end_epoch > 0:
-        knn_acc = monitor.evaluate(model.backbone, device)
-        LOG.info("k-NN top-1 before training: %.2f%% (%d images from %s)", 100 * knn_acc, len(monitor), monitor.folder)
-        _append_jsonl(run_dir / METRICS, {"kind": "epoch", "epoch": 0, "step": 0, "knn_acc": knn_acc})
-    for epoch in range(start_epoch, end_epoch):
-        ddp_model.train()
-        seed = _epoch_seed(cfg.seed, epoch, rank)
-        seed_everything(seed)
-        loader.sampler.set_epoch(epoch)
-        first_batch = start_batch if epoch == start_epoch else 0  # resuming inside an epoch: same order, rest of it
-        loader.sampler.skip = first_batch * per_process_batch
-        # the bar is for terminals (disable=None: off when stderr is not a TTY); logs get one line per epoch
-        bar = tqdm(loader, desc=f"epoch {epoch + 1}/{cfg.epochs}", disable=None if is_main else True, leave=False,
-                   dynamic_ncols=True)
-        tic, seen, losses = time.perf_counter(), 0, []
-        done = first_batch  # batches of this epoch whose optimizer step is complete
-        try:
-            for batch_index, ((x1, x2), _, index, ok) in enumerate(bar, start=first_batch):
-                if not ok.all():
-                    for i in index[~ok].tolist():
-                        skipped.setdefault(images.paths[i], "could not be decoded during training")
-                lr = lr_at(cfg, step, steps_per_epoch)
-                for group in optimizer.param_groups:
-                    group["lr"] = lr * group.get("lr_mult", 1.0)
-                m = key_momentum_at(cfg, step, steps_per_epoch)
-                x1 = x1.to(device, non_blocking=True, memory_format=layout)
-                x2 = x2.to(device, non_blocking=True, memory_format=layout)
-                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
-                    loss = ddp_model(x1, x2, m)
-                if not torch.isfinite(loss):
-                    raise ConfigError(f"loss became {loss.item()} at step {step}; lower --lr or disable --amp")
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                optimizer.step()
-                step += 1
-                done = batch_index + 1
-                seen += cfg.batch_size
-                losses.append(loss.item())
-                images_per_s = seen / (time.perf_counter() - tic)
-                bar.set_postfix(loss=f"{losses[-1]:.3f}", lr=f"{lr:.4f}", img_s=f"{images_per_s:.0f}")
-                if is_main and step % cfg.log_every == 0:
-                    _append_jsonl(run_dir / METRICS, {"kind": "step", "epoch": epoch, "step": step, "loss": losses[-1],
-                                                      "lr": lr, "momentum": m, "images_per_s": images_per_s})
-                if cfg.save_every_steps and step % cfg.save_every_steps == 0 and done < steps_per_epoch and is_main:
-                    _save(run_dir, cfg, model, optimizer, epoch, step, batch_in_epoch=done)
-        except KeyboardInterrupt:
-            if is_main and world == 1 and done > first_batch:  # under DDP other ranks may be inside a collective
-                _save(run_dir, cfg, model, optimizer, epoch, step, batch_in_epoch=done)
-                LOG.warning("interrupted: saved %s at epoch %d, batch %d (step %d)", run_dir / LAST, epoch + 1,
-                            done, step)
-            raise
-        bar.close()
-        loss_value = float(dist.all_reduce_mean(torch.tensor(float(np.mean(losses)))).item())
-        epoch_time = time.perf_counter() - tic
-        new_skips = dist.gather_objects({k: v for k, v in skipped.items()})
-        for part in new_skips:
-            skipped.update(part)
-        knn_acc = None
-        if monitor is not None and ((epoch + 1) % cfg.knn_every == 0 or epoch + 1 == end_epoch):
-            knn_acc = monitor.evaluate(model.backbone, device)
-        if is_main:
-            row = {"kind": "epoch", "epoch": epoch + 1, "step": step, "loss": loss_value, "lr": lr,
-                   "epoch_time_s": epoch_time, "images_per_s": seen / epoch_time, "knn_acc": knn_acc}
-            _append_jsonl(run_dir / METRICS, row)
-            _write_skipped(run_dir / SKIPPED, skipped)
-            knn_text = f", k-NN top-1 {100 * knn_acc:.2f}%" if knn_acc is not None else ""
-            LOG.info("epoch %d/%d: loss %.4f, %.0f images/s%s", epoch + 1, cfg.epochs, loss_value, seen / epoch_time, knn_text)
-            _save(run_dir, cfg, model, optimizer, epoch + 1, step)
-            if (epoch + 1) % cfg.save_every == 0 or epoch + 1 == cfg.epochs:
-                link_or_copy_atomic(run_dir / LAST, run_dir / f"checkpoint_{epoch + 1:04d}.pt")
-            plot_metrics(run_dir / METRICS, run_dir / PLOT)
-        dist.barrier()
-    if ckpt is not None and end_epoch <= start_epoch:
-        LOG.info("%s already trained for %d of %d epochs; nothing to do", run_dir, start_epoch, cfg.epochs)
-    return TrainResult(run_dir, max(start_epoch, end_epoch), step, loss_value, knn_acc, len(images), len(skipped), model)
-
-
-def _save(run_dir: Path, cfg: TrainConfig, model, optimizer, epoch: int, step: int, batch_in_epoch: int = 0) -> None:
-    """Write checkpoint_last.pt: ``epoch`` epochs complete plus ``batch_in_epoch`` batches of the next one."""
-    save_atomic({
-        "format": CHECKPOINT_FORMAT,
-        "format_version": CHECKPOINT_VERSION,
-        "run_id": cfg.run_id,
-        "config": cfg.to_dict(),
-        "model": model.state_dict(),
-        "optimizer": optimizer.state_dict(),
-        "epoch": epoch,
-        "batch_in_epoch": batch_in_epoch,
-        "step": step,
-        "rng": rng_state(),
-        "torch_version": torch.__version__,
-    }, run_dir / LAST)

@@ -1,0 +1,61 @@
+"""Recipes (trainer.recipes): what --recipe auto and --recipe paper choose for options left unset, and that every
+choice is recorded with its reason."""
+from __future__ import annotations
+
+import pytest
+
+from trainer.config import TrainConfig
+from trainer.recipes import resolve_before_training, resolve_schedule
+from trainer.variants import variant_for
+
+
+def _resolve(num_images: int, total_steps: int | None = None, on_gpu: bool = False, **options) -> TrainConfig:
+    cfg = TrainConfig(data_dir="d", out_dir="o", arch=options.pop("arch", "resnet18"), image_size=32, **options)
+    variant = variant_for(cfg)
+    cfg = resolve_before_training(cfg, variant, num_images, 1, on_gpu)
+    steps = num_images // cfg.batch_size
+    return resolve_schedule(cfg, variant, total_steps or (cfg.epochs or 200) * steps, steps)
+
+
+def test_auto_v2__small_batch_recipe_on_the_demo_data_size():
+    cfg = _resolve(1600, total_steps=1400)
+    assert (cfg.batch_size, cfg.lr, cfg.queue_size, cfg.temperature) == (32, 0.48, 256, 0.2)
+    assert cfg.stem == "imagenet"  # on a CPU
+    assert cfg.momentum == pytest.approx(0.99) and cfg.warmup_epochs == 0.0  # tau = 100 steps
+    assert cfg.effective_lr == pytest.approx(0.06)
+    for name in ("batch_size", "lr", "queue_size", "temperature", "momentum", "stem", "warmup_epochs", "epochs"):
+        assert cfg.derived[name]["value"] == getattr(cfg, name) and cfg.derived[name]["why"], name
+    assert TrainConfig.from_json(cfg.to_json()) == cfg  # the reasons travel with config.json
+
+
+def test_auto_v2__scales_with_data_and_run_length():
+    big = _resolve(100_000, total_steps=100_000)
+    assert big.batch_size == 256 and big.queue_size == 16384 and big.momentum == pytest.approx(0.999)
+    assert big.effective_lr == pytest.approx(0.12)  # capped: 0.48 x 256/256 would be 4x the peak that learned
+    assert _resolve(1600, on_gpu=True).stem == "small"
+    assert _resolve(1600, batch_size=64).queue_size == 256  # a multiple of the user's batch
+
+
+def test_auto_v3__lr_warmup_and_temperature():
+    resnet = _resolve(1600, total_steps=800, moco_version=3)
+    assert (resnet.lr, resnet.temperature, resnet.momentum) == (4.8, 0.2, 0.99)
+    assert resnet.warmup_epochs == 1.0 and resnet.queue_size == 0
+    short = _resolve(1600, total_steps=200, moco_version=3)
+    assert short.warmup_epochs == pytest.approx(0.4)  # 1 epoch would be a quarter of the run: 10% instead
+    vit = _resolve(1600, moco_version=3, arch="vit_tiny", batch_size=64)
+    assert vit.lr == pytest.approx(3e-3) and vit.weight_decay == 0.1
+
+
+def test_paper__takes_the_published_values():
+    v2 = _resolve(200_000, recipe="paper")
+    assert (v2.batch_size, v2.lr, v2.queue_size, v2.momentum, v2.temperature) == (256, 0.03, 65536, 0.999, 0.2)
+    assert v2.stem == "small"  # 32 px: the CIFAR stem, as before recipes existed
+    v3 = _resolve(200_000, recipe="paper", moco_version=3, epochs=100)
+    assert (v3.lr, v3.temperature, v3.warmup_epochs) == (0.6, 1.0, pytest.approx(10.0))
+
+
+def test_user_values__are_never_overridden():
+    cfg = _resolve(1600, batch_size=64, lr=0.1, temperature=0.5, queue_size=128, momentum=0.9, stem="small")
+    assert (cfg.batch_size, cfg.lr, cfg.temperature, cfg.queue_size, cfg.momentum, cfg.stem) == (
+        64, 0.1, 0.5, 128, 0.9, "small")
+    assert not {"batch_size", "lr", "temperature", "queue_size", "momentum", "stem"} & set(cfg.derived)

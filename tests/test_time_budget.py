@@ -1,0 +1,80 @@
+"""--time-budget: the plan from the measured speed, a tiny budget that stops on time with a checkpoint, and an
+interrupted budgeted run that a rerun continues to the same plan and the same deadline."""
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from contracts.errors import ConfigError
+from tests.conftest import tiny_train_config
+from trainer.checkpoint import load_checkpoint
+from trainer.config import parse_duration
+from trainer.schedule import TimeBudget
+from trainer.train import train
+
+
+def test_parse_duration__units_and_errors():
+    assert (parse_duration("90s"), parse_duration("30m"), parse_duration("2h"), parse_duration("1.5h")) == (
+        90, 1800, 7200, 5400)
+    assert parse_duration("5") == 300  # a bare number is minutes
+    for bad in ("soon", "-5m", "0s", "3 weeks"):
+        with pytest.raises(ConfigError, match="time-budget"):
+            parse_duration(bad)
+
+
+def test_time_budget__plans_the_steps_that_fit_after_its_calibration_window():
+    budget = TimeBudget(seconds=600, started=time.perf_counter())
+    for i in range(40):  # 2 untimed steps, then 0.5 s per step measured
+        budget.record_step(i, 0.5)
+    # the window is min(60 s, 20% of the budget) = 60 s of timed steps: 38 x 0.5 = 19 s is not enough yet
+    assert budget.seconds_per_step == pytest.approx(0.5) and not budget.calibration_due()
+    budget = TimeBudget(seconds=600, started=time.perf_counter())
+    for i in range(130):
+        budget.record_step(i, 0.5)
+    assert budget.calibration_due()
+    total = budget.estimate_total(step=130, reserve_seconds=100)
+    assert total == pytest.approx(130 + (600 - 100) / 0.5, abs=3)
+    budget.total_steps = total
+    assert not budget.should_stop(total - 1) and budget.should_stop(total)
+    assert TimeBudget(seconds=10, spent=10.5).should_stop(0)  # earlier runs spent it all
+
+
+def test_train__tiny_budget_stops_on_time_with_a_checkpoint(shapes_dir, tmp_path):
+    cfg = tiny_train_config(shapes_dir, tmp_path / "run", epochs=None, time_budget="6s", batch_size=8, queue_size=16)
+    result = train(cfg)
+    ckpt = load_checkpoint(tmp_path / "run")
+    assert result.stopped_by == "time budget" and ckpt["step"] == result.steps > 0
+    assert ckpt["schedule"]["total_steps"] > 0  # planned from the measured speed
+    assert ckpt["schedule"]["spent_seconds"] < 6 + 4  # on time: one step, the final evaluation and save after it
+    assert "epochs" in ckpt["config"]["derived"] and ckpt["config"]["time_budget"] == "6s"
+
+
+def test_train__interrupted_budget_run_continues_to_the_same_plan(shapes_dir, tmp_path):
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "app.cli", "train", str(shapes_dir), "--out", str(run), "--arch", "resnet18",
+           "--image-size", "32", "--batch-size", "8", "--queue-size", "16", "--time-budget", "14s", "--workers", "0",
+           "--device", "cpu", "--knn-every", "0", "--log-every", "1"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline:  # interrupt once the plan is fixed (20% of 14 s of timed steps)
+        config = run / "config.json"
+        if config.exists() and '"time_budget": "14s"' in config.read_text() and "epochs" in config.read_text() \
+                and '"epochs": null' not in config.read_text():
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-2000:]
+    first = load_checkpoint(run)
+    planned = first["schedule"]["total_steps"]
+    assert planned > 0 and first["step"] < planned and first["schedule"]["spent_seconds"] < 14
+    rerun = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr[-2000:]
+    final = load_checkpoint(run)
+    assert final["schedule"]["total_steps"] == planned  # the same plan, not a new one
+    assert final["step"] > first["step"]
+    assert final["step"] == planned or final["schedule"]["spent_seconds"] >= 14  # done, or out of time

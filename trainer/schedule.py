@@ -1,0 +1,103 @@
+"""The run's schedules over optimizer steps, and the time budget that sets how many steps there are.
+
+:class:`Schedule`: linear learning-rate warm-up, then a half cosine to 0 at ``total_steps``; the key-encoder
+momentum as the variant defines it over the same progress. In ``--epochs`` mode the total is known up front;
+with ``--time-budget`` it is set by :class:`TimeBudget` from the throughput measured in the first minute.
+
+:class:`TimeBudget` keeps the clock of a budgeted run across interruptions: the seconds spent by earlier runs
+come back from the checkpoint, so a rerun continues to the same total steps and the same deadline.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+
+LOG = logging.getLogger(__name__)
+
+CALIBRATION_SECONDS = 60.0  # steps are timed for this long (at most 20% of the budget) before the plan is fixed
+CALIBRATION_MIN_STEPS = 5
+SKIP_FIRST_STEPS = 2  # the first steps pay for kernel selection and allocation: not timed
+
+
+@dataclass
+class Schedule:
+    """Learning rate and key momentum at every step of a run of ``total_steps``.
+
+    Args:
+        peak_lr: the learning rate after warm-up (already scaled by the batch).
+        warmup_steps: steps of linear warm-up from ``peak_lr / warmup_steps``.
+        total_steps: the last step; the cosine reaches 0 there.
+        m0: the key momentum at the start; ``momentum_fn(m0, progress)`` gives it at ``progress`` in [0, 1].
+    """
+
+    peak_lr: float
+    warmup_steps: int
+    total_steps: int
+    m0: float
+    momentum_fn: object
+
+    def lr(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return self.peak_lr * (step + 1) / self.warmup_steps
+        progress = (step - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps)
+        return self.peak_lr * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+    def momentum(self, step: int) -> float:
+        return self.momentum_fn(self.m0, step / max(1, self.total_steps))
+
+
+@dataclass
+class TimeBudget:
+    """The clock and the plan of a ``--time-budget`` run.
+
+    Args:
+        seconds: the whole budget.
+        spent: seconds already spent by earlier runs of the same run directory.
+        total_steps: the planned steps when an earlier run already fixed them (0: not yet).
+    """
+
+    seconds: float
+    spent: float = 0.0
+    total_steps: int = 0
+    started: float = field(default_factory=time.perf_counter)
+    _timed_steps: int = 0
+    _timed_seconds: float = 0.0
+
+    @property
+    def calibrated(self) -> bool:
+        return self.total_steps > 0
+
+    def elapsed(self) -> float:
+        """Seconds of the budget used so far, earlier runs included."""
+        return self.spent + time.perf_counter() - self.started
+
+    def remaining(self) -> float:
+        return self.seconds - self.elapsed()
+
+    def record_step(self, step_index_this_run: int, seconds: float) -> None:
+        """Time one optimizer step (the first few of a run are not counted)."""
+        if step_index_this_run >= SKIP_FIRST_STEPS:
+            self._timed_steps += 1
+            self._timed_seconds += seconds
+
+    @property
+    def seconds_per_step(self) -> float | None:
+        return self._timed_seconds / self._timed_steps if self._timed_steps else None
+
+    def calibration_due(self) -> bool:
+        """True once enough steps were timed to plan the rest of the run."""
+        window = min(CALIBRATION_SECONDS, 0.2 * self.seconds)
+        return (not self.calibrated and self._timed_steps >= CALIBRATION_MIN_STEPS
+                and self._timed_seconds >= window)
+
+    def estimate_total(self, step: int, reserve_seconds: float) -> int:
+        """The total steps that fit in the budget at the measured speed, keeping ``reserve_seconds`` for
+        evaluations and checkpoints."""
+        per_step = self.seconds_per_step or 1.0
+        return step + max(1, int(max(0.0, self.remaining() - reserve_seconds) / per_step))
+
+    def should_stop(self, step: int) -> bool:
+        """Stop when the planned steps are done or the time is up."""
+        return (self.calibrated and step >= self.total_steps) or self.remaining() <= 0
