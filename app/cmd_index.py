@@ -118,7 +118,9 @@ def cmd_index(args: argparse.Namespace) -> int:
 
 
 def print_index_result(result) -> None:
-    """The summary table of a ``moco index`` run (and the skipped files)."""
+    """The summary table of a ``moco index`` run (and the skipped files, names shown readably)."""
+    from contracts.filenames import display_name
+
     t = result.timings
     state = "published now" if result.published else "unchanged, still live"
     if result.compacted:
@@ -156,6 +158,6 @@ def print_index_result(result) -> None:
     if result.skipped:
         print(f"skipped files (also in {result.report_path}):")
         for item in result.skipped[:20]:
-            print(f"  {item['path']}: {item['reason']}")
+            print(f"  {display_name(item['path'])}: {item['reason']}")
         if len(result.skipped) > 20:
             print(f"  ... and {len(result.skipped) - 20} more")

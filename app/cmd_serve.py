@@ -106,10 +106,13 @@ def cmd_search(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"generation": res.generation, "image_root": str(root), "results": res.hits}, indent=2))
         return 0
+    from contracts.filenames import display_name
+
     print(f"{len(res.hits)} nearest of {args.image} (paths relative to {root}):")
     print(f"{'rank':>4}  {'score':>6}  {'id':>6}  {'label':<16}  path")
     for rank, hit in enumerate(res.hits, 1):
-        print(f"{rank:>4}  {hit['score']:6.3f}  {hit['id']:>6}  {str(hit.get('label') or '-'):<16}  {hit['path']}")
+        label = display_name(hit.get("label")) or "-"
+        print(f"{rank:>4}  {hit['score']:6.3f}  {hit['id']:>6}  {label:<16}  {display_name(hit['path'])}")
     return 0
 
 

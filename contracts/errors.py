@@ -34,6 +34,13 @@ class UnknownItemError(DataError):
     http_status = 404
 
 
+class ImageGoneError(DataError):
+    """An indexed item whose image file is no longer the file that was indexed: deleted, replaced (by a
+    symlink, a FIFO, another file), changed, or now resolving outside the image folder."""
+
+    http_status = 410
+
+
 class UploadTooLargeError(DataError):
     """An uploaded file over the server's size limit."""
 

@@ -35,6 +35,7 @@ import numpy as np
 
 from contracts.atomic import atomic_write, link_or_copy_atomic, output_errors, write_json_atomic
 from contracts.errors import ArtifactError, ConfigError, DataError, OutputError
+from contracts.filenames import display_name
 from contracts.launch import WorldInfo, world_info_from_env
 from indexer import faiss_index, update
 from indexer.embed import FolderEmbedder
@@ -362,7 +363,7 @@ def _commit(run: _Run, t_start: float) -> IndexResult:
                                                                                 key=lambda s: s["path"])]
     if base is None and not readable:
         raise DataError(f"no readable images in {run.image_root} ({len(plan.skipped)} unreadable files, e.g. "
-                        f"{skipped_list[0]['path']}: {skipped_list[0]['reason']})")
+                        f"{display_name(skipped_list[0]['path'])}: {skipped_list[0]['reason']})")
     if base is not None and not plan.todo and not plan.removed_ids:
         with _open_store(layout.generation(run.previous)) as store:
             prev_skipped = store.skipped()

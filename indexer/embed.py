@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from contracts.filenames import display_name
 from indexer.decode import decode_files
 from indexer.encoder import OnnxEncoder
 from indexer.scan import ScanEntry
@@ -73,7 +74,7 @@ class FolderEmbedder:
                     stats["decode_wait"] += time.perf_counter() - tic
                 stats["decode_cpu"] += d.seconds
                 if d.pixels is None:
-                    LOG.warning("skipping %s: %s", d.path, d.error)
+                    LOG.warning("skipping %s: %s", display_name(d.path), d.error)
                     shards.add(shard_entry(by_path[d.path], d), None)
                     bar.update(1)
                     continue

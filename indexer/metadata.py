@@ -3,7 +3,7 @@
 Named databases (keys are bytes; ids are 8-byte big-endian so they iterate in id order; values are JSON):
 
     items       id -> record {id, path, label, width, height, bytes, sha256, mtime, mtime_ns, duplicate_of}
-    paths       relative path -> id            (live items only)
+    paths       relative path -> id            (live items only; keys: see path_key)
     sha256      sha256 hex -> [ids]            (live items with that content; the first is the original)
     tombstones  id -> {id, path, sha256, removed_in}   (ids that were live once; never reused)
     skipped     relative path -> {path, bytes, mtime_ns, reason}   (unreadable files, retried when they change)
@@ -30,6 +30,7 @@ environment (keyed by device and inode: generations share their base by hard lin
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -41,6 +42,7 @@ import lmdb
 import numpy as np
 
 from contracts.errors import ArtifactError, IndexBuildError, OutputError
+from contracts.filenames import decode_name, encode_name
 
 LOG = logging.getLogger(__name__)
 
@@ -56,13 +58,14 @@ def id_key(item_id: int) -> bytes:
     return int(item_id).to_bytes(8, "big", signed=False)
 
 
+MAX_KEY_BYTES = 511  # LMDB's compiled-in key limit (Environment.max_key_size())
+
+
 def path_key(path: str) -> bytes:
-    """The key of a relative path in ``paths`` and ``skipped``."""
-    return path.encode()
-
-
-def path_of_key(key: bytes) -> str:
-    return bytes(key).decode()
+    """The key of a relative path: its file-system bytes (``os.fsencode``: lossless, names that are not UTF-8
+    included); a path longer than LMDB's key limit is keyed by a NUL byte + its sha256 (no path holds a NUL)."""
+    raw = encode_name(path)
+    return raw if len(raw) <= MAX_KEY_BYTES else b"\0" + hashlib.sha256(raw).digest()
 
 
 def _dump(obj) -> bytes:
@@ -343,12 +346,16 @@ class MetadataStore:
         """``(path, id)`` of every live item, in path order."""
         with self._read() as view:
             for key, value in view.items("paths"):
-                yield path_of_key(key), _load(value)
+                item_id = _load(value)
+                if bytes(key[:1]) == b"\0":  # a long path, keyed by its hash: the record has it
+                    yield _load(view.get("items", id_key(item_id)))["path"], item_id
+                else:
+                    yield decode_name(bytes(key)), item_id
 
     def skipped(self) -> dict[str, dict]:
         """Unreadable files remembered from earlier runs: path -> {path, bytes, mtime_ns, reason}."""
         with self._read() as view:
-            return {path_of_key(k): _load(v) for k, v in view.items("skipped")}
+            return {info["path"]: info for info in (_load(v) for _, v in view.items("skipped"))}
 
     # -- writing ----------------------------------------------------------------------------------------------
     def remove_items(self, ids: list[int], generation: str) -> list[tuple[dict, bool]]:

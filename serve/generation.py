@@ -86,7 +86,7 @@ class ServedGeneration:
     @classmethod
     def open(cls, index_dir: str | os.PathLike, model: str | os.PathLike | None = None,
              reuse: OnnxEncoder | None = None, device: str = "auto", threads: int | None = None,
-             faiss_threads: int | None = None, faiss_gpu: str = "none") -> "ServedGeneration":
+             faiss_threads: int | None = None, spin: bool = True, faiss_gpu: str = "none") -> "ServedGeneration":
         """Open the live generation of ``index_dir`` with its own encoder (or ``model``) and check them.
 
         Args:
@@ -94,6 +94,7 @@ class ServedGeneration:
             reuse: an already open encoder, used instead of loading one when it is the model of this index.
             faiss_threads: OpenMP threads for FAISS searches (None: FAISS's default).
             faiss_gpu: search Flat / IVF indexes on GPUs: none, auto, one or all (``indexer.faiss_gpu``).
+            spin: whether the encoder's CPU threads spin-wait between runs.
 
         Raises:
             ArtifactError: not an index directory, or the model does not match the index.
@@ -105,7 +106,7 @@ class ServedGeneration:
                 encoder = reuse
             else:
                 encoder = OnnxEncoder(model if model is not None else directory.encoder_path, device=device,
-                                      threads=threads)
+                                      threads=threads, spin=spin)
             manifest.check_encoder(encoder, str(index_dir), "serve it with the model it was built with, or rebuild "
                                    f"it with `moco index IMAGE_DIR --model {encoder.path} --out {index_dir}`")
         except BaseException:
@@ -172,8 +173,3 @@ class ServedGeneration:
                 return np.asarray(self.directory.index.reconstruct(int(item_id)), dtype=np.float32)
             except RuntimeError:  # no direct map (IVF) or the id is not in the index
                 return None
-
-    def image_file(self, item_id: int) -> Path | None:
-        """The item's image on disk, or ``None`` when unknown, tombstoned or gone from disk."""
-        path = self.directory.image_path(item_id)
-        return path if path is not None and Path(path).is_file() else None
