@@ -19,12 +19,28 @@ what it does:
   Unreadable files (corrupt, truncated, empty, not an image, over 89 megapixels) are skipped, listed at the
   end and in INDEX_DIR/report.json.
 
+updates cost what changed:
+  An update shares the previous index's files and writes only a small delta (the new vectors, the removed
+  ids, the changed metadata); readers keep serving the old generation until the new one is published. Once
+  the changes pass 5% of the index (and 1,000 images), the run also publishes a compaction: the index rebuilt
+  from the live vectors with its recall measured again (--compact now forces one, never skips it). A rescan
+  of a huge folder is itself slow (~8 s per million files here); --changed-list FILE names the added,
+  changed and deleted files instead (one relative path per line), and nothing else is looked at.
+
+many processes, GPUs or machines (torchrun):
+  torchrun --nproc_per_node 4 -m app.cli index photos/ --model encoder.onnx --out photos.index
+  Every rank embeds its share of the files (one GPU per rank where there are GPUs); rank 0 waits for the
+  others, then builds and publishes. Ranks meet through INDEX_DIR/work/, so INDEX_DIR (and IMAGE_DIR) must be
+  on a filesystem every node sees. Kill any rank and rerun the same command: finished shards are kept.
+
 index types (--index-type):
-  auto    exact search below 100k images, HNSW below 1M, IVF above, IVF-PQ when vectors do not fit in RAM
+  auto    exact search below 100k images, HNSW below 1M, IVF above, IVF-PQ when vectors do not fit in
+          --max-index-memory, with its inverted lists on disk when even the PQ codes do not
   flat    exact inner product (best quality, memory and time grow with the corpus)
   hnsw    graph index, fast and accurate, more memory
   ivf     inverted lists, trained on a sample
-  ivfpq   inverted lists of compressed vectors (64 bytes each at 512-d), for corpora larger than RAM
+  ivfpq   inverted lists of compressed vectors (64 bytes each at 512-d), for corpora larger than RAM;
+          results are re-ranked with the stored float16 vectors
   or any FAISS factory string, e.g. "OPQ64,IVF4096,PQ64"
   Approximate indexes are tuned until recall@10 against exact search reaches --target-recall; the
   measured recall is printed and stored in the manifest.
@@ -34,6 +50,8 @@ examples:
   moco index photos/ --model encoder.onnx --out photos.index                  # later: update with changes
   moco index tiles/ --model encoder.onnx --out tiles.index --index-type ivfpq --workers 15 --batch-size 256
   moco index photos/ --model new_encoder.onnx --out photos.index --rebuild   # another model: start over
+  moco index photos/ --model encoder.onnx --out photos.index --changed-list new_and_deleted.txt
+  moco index tiles/ --model encoder.onnx --out tiles.index --max-index-memory 8G  # IVF-PQ on disk past 8 GiB
 """
 
 
@@ -61,6 +79,17 @@ def register(sub) -> None:
                    help="recall@10 approximate indexes are tuned to reach (default 0.95)")
     p.add_argument("--shard-size", type=int, default=1024,
                    help="embeddings per resumable shard: at most this much work is lost on a crash (default 1024)")
+    p.add_argument("--max-index-memory", default=None, metavar="SIZE",
+                   help="RAM the index may take when served, e.g. 8G: auto picks IVF-PQ past it, and keeps IVF-PQ "
+                        "lists on disk when even they do not fit (default: half this machine's RAM)")
+    p.add_argument("--compact", default="auto", choices=("auto", "now", "never"),
+                   help="rebuild the index from its live vectors after this update: auto once changes pass 5%% "
+                        "(default), now, or never")
+    p.add_argument("--changed-list", metavar="FILE", default=None,
+                   help="update only these files: one relative path per line (added, changed or deleted); the "
+                        "folder is not rescanned")
+    p.add_argument("--rank-timeout", type=float, default=None, metavar="SECONDS",
+                   help="under torchrun: how long rank 0 waits for a rank that makes no progress (default 600)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (for logs)")
     p.set_defaults(func=cmd_index)
 
@@ -69,23 +98,36 @@ def cmd_index(args: argparse.Namespace) -> int:
     from indexer.build import IndexConfig, build_index_dir
 
     logging.getLogger("faiss.loader").setLevel(logging.WARNING)
-    optional = {"workers": args.workers, "target_recall": args.target_recall}
+    optional = {"workers": args.workers, "target_recall": args.target_recall, "rank_timeout": args.rank_timeout}
     cfg = IndexConfig(
         image_dir=args.image_dir, model=args.model, out_dir=args.out, index_type=args.index_type,
         batch_size=args.batch_size, device=args.device, labels_csv=args.labels, rebuild=args.rebuild,
-        shard_size=args.shard_size, progress=not args.no_progress,
+        shard_size=args.shard_size, progress=not args.no_progress, max_index_memory=args.max_index_memory,
+        compact=args.compact, changed_list=args.changed_list,
         **{k: v for k, v in optional.items() if v is not None},
     )
-    print_index_result(build_index_dir(cfg))
+    result = build_index_dir(cfg)
+    if result.mode == "rank":
+        t = result.timings
+        print(f"rank {result.rank} of {result.world_size}: embedded {result.embedded} images"
+              + (f" (+{result.resumed} resumed)" if result.resumed else "")
+              + f" in {t.get('embed', 0):.1f} s; rank 0 builds and publishes")
+        return 0
+    print_index_result(result)
     return 0
 
 
 def print_index_result(result) -> None:
-    """The summary table of a ``moco index`` run (and the skipped files)."""
+    """The summary table of a ``moco index`` run (and the skipped files, names shown readably)."""
+    from contracts.filenames import display_name
+
     t = result.timings
+    state = "published now" if result.published else "unchanged, still live"
+    if result.compacted:
+        state = "published now, then compacted"
     rows = [
         ("index directory", result.index_dir),
-        ("generation", f"{result.generation} ({'published now' if result.published else 'unchanged, still live'})"),
+        ("generation", f"{result.generation} ({state})"),
         ("images in index", f"{result.count}"),
         ("added", f"{result.added}"),
         ("updated", f"{result.updated}"),
@@ -94,20 +136,28 @@ def print_index_result(result) -> None:
         ("exact duplicates", f"{result.duplicates}"),
         ("skipped (unreadable)", f"{len(result.skipped)}"),
         ("embedded this run", f"{result.embedded}" + (f" (+{result.resumed} resumed)" if result.resumed else "")),
-        ("index", result.factory + "".join(f", {k}={v}" for k, v in result.search_params.items())),
+        ("index", result.factory + "".join(f", {k}={v}" for k, v in result.search_params.items())
+         + (f" (+{result.delta_count} in the delta, {result.removed_count} removed since the last compaction)"
+            if result.delta_count or result.removed_count else "")),
         ("recall@10", "exact" if result.recall_at_10 == 1.0 and not result.search_params
          else (f"{result.recall_at_10:.3f}" if result.recall_at_10 is not None else "-")),
     ]
     if result.embedded and t.get("embed"):
         rows.append(("throughput", f"{result.embedded / t['embed']:.1f} images/s end to end; encoder "
                                    f"{t['encoder']:.1f} s, waiting for decoding {t['decode_wait']:.1f} s"))
-    rows.append(("time", f"{t.get('total', 0):.1f} s"))
+    if result.world_size > 1:
+        rows.append(("ranks", f"{result.world_size} (waited {t.get('wait_for_ranks', 0):.1f} s for the others)"))
+    publish = sum(t.get(k, 0) for k in ("plan", "commit", "index", "publish"))
+    rows.append(("time", f"{t.get('total', 0):.1f} s (scan {t.get('scan', 0):.1f} s, embedding {t.get('embed', 0):.1f} s, "
+                         f"plan + commit + publish {publish:.1f} s"
+                 + (f", compaction {t.get('compact_metadata', 0) + t.get('compact_index', 0):.1f} s"
+                    if result.compacted else "") + ")"))
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         print(f"{key:<{width}}  {value}")
     if result.skipped:
         print(f"skipped files (also in {result.report_path}):")
         for item in result.skipped[:20]:
-            print(f"  {item['path']}: {item['reason']}")
+            print(f"  {display_name(item['path'])}: {item['reason']}")
         if len(result.skipped) > 20:
             print(f"  ... and {len(result.skipped) - 20} more")

@@ -15,9 +15,15 @@ The page at / is the web app (upload, paste or webcam; click a result to search 
 The API is documented at /docs. When `moco index` publishes a new generation of INDEX_DIR, the server
 switches to it without a restart.
 
+Several processes: --workers N starts N server processes on the same port (connections are spread over
+them). The index is memory-mapped, so they share one copy of it in memory; each one switches to a newly
+published generation by itself. With GPUs (and a FAISS that sees them), Flat and IVF indexes are searched
+on them (--faiss-gpu); HNSW and on-disk IVF-PQ stay on the CPU, as do searches deeper than 2048.
+
 examples:
   moco serve index/                              # http://127.0.0.1:7860/
   moco serve index/ --host 0.0.0.0 --port 8000   # reachable from other machines
+  moco serve index/ --workers 4 --no-ui          # 4 API processes sharing one memory-mapped index
 """
 
 EPILOG_SEARCH = """\
@@ -36,23 +42,59 @@ examples:
 """
 
 
-def _engine_config(args, poll_seconds: float):
+def _engine_config(args, poll_seconds: float, **extra):
     import logging
 
     logging.getLogger("faiss.loader").setLevel(logging.WARNING)  # its INFO lines list CPU variants it tried
     from serve.engine import EngineConfig
 
-    return EngineConfig(model=args.model, device=args.device, threads=args.threads, poll_seconds=poll_seconds)
+    return EngineConfig(model=args.model, device=args.device, threads=args.threads, poll_seconds=poll_seconds,
+                        **extra)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from app.server import check_port, serve_forever
+    from app.server import check_port, serve_forever, serve_workers
     from serve.engine import SearchEngine
 
     check_port(args.host, args.port)  # before the (slower) engine start
-    with SearchEngine(args.index_dir, _engine_config(args, poll_seconds=args.poll_seconds)) as engine:
+    if args.workers != 1:
+        from contracts.errors import ConfigError
+        from indexer.encoder import available_cores
+
+        if args.workers < 1:
+            raise ConfigError(f"--workers must be at least 1, got {args.workers}")
+        threads = args.threads or max(1, available_cores() // args.workers)  # the cores, shared by the workers
+        config = _engine_config(args, poll_seconds=args.poll_seconds, faiss_gpu=args.faiss_gpu)
+        config.threads = threads
+        _check_index(args.index_dir, args.model)  # once here: a bad index fails in one line, not in N workers
+        serve_workers(args.index_dir, config, args.host, args.port, ui=args.ui, workers=args.workers)
+        return 0
+    config = _engine_config(args, poll_seconds=args.poll_seconds, faiss_gpu=args.faiss_gpu)
+    with SearchEngine(args.index_dir, config) as engine:
         serve_forever(engine, args.host, args.port, ui=args.ui)
     return 0
+
+
+def _check_index(index_dir: str, model: str | None) -> None:
+    """Open the live generation and check its model without starting an encoder (the supervisor of the
+    workers stays small).
+
+    Raises:
+        ArtifactError: not an index directory, unreadable, or ``model`` is not the model it was built with.
+    """
+    import hashlib
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from indexer.encoder import read_encoder_metadata
+    from indexer.index_dir import IndexDirectory
+
+    with IndexDirectory.open(index_dir) as directory:
+        path = Path(model) if model else directory.encoder_path
+        meta = read_encoder_metadata(path)
+        encoder = SimpleNamespace(path=path, sha256=hashlib.sha256(path.read_bytes()).hexdigest(),
+                                  embedding_dim=meta["embedding_dim"])
+        directory.manifest.check_encoder(encoder, str(index_dir), "serve it with the model it was built with")
 
 
 def cmd_search(args: argparse.Namespace) -> int:
@@ -64,10 +106,13 @@ def cmd_search(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"generation": res.generation, "image_root": str(root), "results": res.hits}, indent=2))
         return 0
+    from contracts.filenames import display_name
+
     print(f"{len(res.hits)} nearest of {args.image} (paths relative to {root}):")
     print(f"{'rank':>4}  {'score':>6}  {'id':>6}  {'label':<16}  path")
     for rank, hit in enumerate(res.hits, 1):
-        print(f"{rank:>4}  {hit['score']:6.3f}  {hit['id']:>6}  {str(hit.get('label') or '-'):<16}  {hit['path']}")
+        label = display_name(hit.get("label")) or "-"
+        print(f"{rank:>4}  {hit['score']:6.3f}  {hit['id']:>6}  {label:<16}  {display_name(hit['path'])}")
     return 0
 
 
@@ -115,6 +160,12 @@ def register(sub) -> None:
     p.add_argument("--poll-seconds", type=float, default=1.0,
                    help="how often to check INDEX_DIR for a newly published index (default 1; 0 never)")
     p.add_argument("--no-ui", dest="ui", action="store_false", help="serve only the JSON API, without the web app")
+    p.add_argument("--workers", type=int, default=1,
+                   help="server processes on the port, sharing one memory-mapped index (default 1); the encoder "
+                        "threads are split between them unless --threads is given")
+    p.add_argument("--faiss-gpu", default="auto", choices=("auto", "none", "one", "all"),
+                   help="search Flat / IVF indexes on GPU 0 (one), sharded over all GPUs (all), or on the CPU "
+                        "(none); auto uses all GPUs when FAISS sees any (default)")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("search", help="print the indexed images most similar to an image",

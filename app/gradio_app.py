@@ -4,16 +4,26 @@ Drop, paste or shoot an image; get its nearest neighbours as a captioned gallery
 the k-NN label vote as a chart. Clicking a result searches from that item. Every handler has an explicit
 ``api_name`` (``search``, ``classify``, ``search_by_id``, ``select_result``, ``stats``) so ``gradio_client``
 can call it; errors show as ``gr.Error`` messages in the page.
+
+The UI gives Gradio no folder to serve from (no ``allowed_paths``): a gallery image or an example query is
+a copy, in Gradio's own cache, of an indexed file read through the same check as the API's
+``/api/items/{id}/image`` (:func:`serve.engine.SearchEngine.open_image`: still a regular file inside the
+image folder, with the indexed size, mtime and sha256), made once per content (named by its sha256). Hidden
+files, non-images and anything else that merely sits in the image folder are never reachable, and
+``gradio_client`` downloads the results like any Gradio output.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 from pathlib import Path
 
 import gradio as gr
 from fastapi import FastAPI
 
+from contracts.atomic import atomic_write
 from contracts.errors import MocoError
+from contracts.filenames import display_name
 from contracts.knn import KNN_TEMPERATURE, SEARCH_K
 from serve.engine import SearchEngine, knn_vote
 
@@ -24,26 +34,73 @@ EXAMPLES = 6
 
 
 def _caption(hit: dict) -> str:
-    label = hit.get("label") or "unlabeled"
-    return f"{hit['score']:.3f} · {label} · {hit['path']} · id {hit['id']}"
+    label = display_name(hit.get("label")) or "unlabeled"
+    return f"{hit['score']:.3f} · {label} · {display_name(hit['path'])} · id {hit['id']}"
 
 
-def _gallery(engine: SearchEngine, hits: list[dict]) -> list[tuple[str, str]]:
-    root = Path(engine.image_root)
-    return [(str(root / h["path"]), _caption(h)) for h in hits]
+def ui_copy(engine: SearchEngine, record: dict, cache_dir: str | Path) -> Path | None:
+    """The path of a copy of ``record``'s image in ``cache_dir`` (Gradio's cache), or ``None`` (logged) when its
+    file is no longer the indexed one. The copy is made from the checked file and kept only when its sha256 is
+    the record's; it is named by that sha256, so each content is copied once."""
+    try:
+        f, _, rec = engine.open_image(record["id"])
+    except MocoError as exc:
+        LOG.info("not showing item %d: %s", record["id"], exc)
+        return None
+    target = Path(cache_dir) / "moco-items" / rec["sha256"] / f"{rec['id']}{Path(display_name(rec['path'])).suffix}"
+    with f:
+        if target.is_file():
+            return target
+        digest = hashlib.sha256()
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with atomic_write(target) as out:  # published only when the block ends without an exception
+                while chunk := f.read(1 << 20):
+                    digest.update(chunk)
+                    out.write(chunk)
+                if digest.hexdigest() != rec["sha256"]:
+                    raise _Changed
+        except _Changed:
+            LOG.info("not showing item %d: same size and mtime, other bytes than indexed", rec["id"])
+            return None
+        except (OSError, MocoError) as exc:  # a full or read-only cache: the search still answers
+            LOG.warning("cannot copy item %d into %s: %s", rec["id"], cache_dir, exc)
+            return None
+    return target
+
+
+class _Changed(Exception):
+    """A copy whose bytes are not the indexed ones (raised inside its atomic write, so it is never published)."""
+
+
+def _gallery(engine: SearchEngine, hits: list[dict], cache_dir: str) -> tuple[list[tuple[str, str]], list[dict]]:
+    """``(gallery items, the hits they show)``: a checked copy of each hit's image and its caption; hits whose
+    file is gone or changed are left out (so a click's index still names the right hit)."""
+    items, shown = [], []
+    for hit in hits:
+        path = ui_copy(engine, hit, cache_dir)
+        if path is not None:
+            items.append((str(path), _caption(hit)))
+            shown.append(hit)
+    return items, shown
+
+
+def _votes(probabilities: dict[str, float]) -> dict[str, float]:
+    return {display_name(label): p for label, p in probabilities.items()}
 
 
 def _label_chart(hits: list[dict]) -> dict[str, float]:
     import numpy as np
 
-    return knn_vote(np.array([h["score"] for h in hits]), [h.get("label") for h in hits], KNN_TEMPERATURE)
+    return _votes(knn_vote(np.array([h["score"] for h in hits]), [h.get("label") for h in hits], KNN_TEMPERATURE))
 
 
 def stats_markdown(stats: dict) -> str:
     """The index statistics panel: items, labels, model, index type, recall@10."""
     model, index = stats["model"], stats["index"]
     labels = stats["labels"]
-    label_text = ", ".join(f"{name} ({n})" for name, n in labels.items()) if labels else "none (unlabeled corpus)"
+    label_text = (", ".join(f"{display_name(name)} ({n})" for name, n in labels.items()) if labels
+                  else "none (unlabeled corpus)")
     recall = index.get("recall_at_10")
     return (f"**{stats['items']} items** · generation `{stats['generation']}` · updated {stats['updated_at']}  \n"
             f"**labels:** {label_text}  \n"
@@ -67,7 +124,7 @@ def build_ui(engine: SearchEngine) -> gr.Blocks:
         if not image:
             raise gr.Error("Upload, paste or take a picture first.")
         (res,) = _call(engine.search, [image], int(k))
-        return _gallery(engine, res.hits), res.hits
+        return _gallery(engine, res.hits, cache_dir)
 
     def classify(image: str | None, k: float):
         """k-NN label vote of an uploaded image: {label: probability}."""
@@ -76,7 +133,7 @@ def build_ui(engine: SearchEngine) -> gr.Blocks:
         if not engine.labels():  # an unlabeled corpus: no chart rather than an error
             return {}
         (res,) = _call(engine.classify, [image], int(k))
-        return res.probabilities
+        return _votes(res.probabilities)
 
     def select_result(hits: list[dict] | None, evt: gr.SelectData):
         """The id of the clicked gallery item."""
@@ -90,15 +147,18 @@ def build_ui(engine: SearchEngine) -> gr.Blocks:
             raise gr.Error("Enter an item id, or click a search result.")
         res = _call(engine.search_by_id, int(item_id), int(k))
         q = res.query
-        about = f"Searched from item {q['id']}: `{q['path']}` (label {q.get('label') or 'none'})"
-        return _gallery(engine, res.hits), res.hits, _label_chart(res.hits), about
+        about = (f"Searched from item {q['id']}: `{display_name(q['path'])}` "
+                 f"(label {display_name(q.get('label')) or 'none'})")
+        items, shown = _gallery(engine, res.hits, cache_dir)
+        return items, shown, _label_chart(res.hits), about
 
     def stats():
         return stats_markdown(_call(engine.stats))
 
-    examples = [[str(Path(engine.image_root) / rec["path"])] for rec in engine.examples(EXAMPLES)]
-
     with gr.Blocks(title="moco-retrieval search") as ui:
+        cache_dir = ui.GRADIO_CACHE  # the folder Gradio serves its own files from
+        examples = [[str(path)] for path in (ui_copy(engine, rec, cache_dir) for rec in engine.examples(EXAMPLES))
+                    if path is not None]
         gr.Markdown("# moco-retrieval: image search\nDrop, paste or shoot an image to find the most similar "
                     "images of the index and a k-NN label vote. Click a result to search from it.")
         stats_box = gr.Markdown(elem_id="stats")
@@ -131,7 +191,10 @@ def build_ui(engine: SearchEngine) -> gr.Blocks:
     return ui
 
 
-def mount_ui(app: FastAPI, engine: SearchEngine, path: str = "/") -> FastAPI:
-    """Mount the UI on ``app`` at ``path``; the gallery may serve files from the index's image folder."""
-    return gr.mount_gradio_app(app, build_ui(engine), path=path, allowed_paths=[str(engine.image_root)],
-                               footer_links=["api"])
+def mount_ui(app: FastAPI, engine: SearchEngine, path: str = "/", max_file_size: int | None = None) -> FastAPI:
+    """Mount the UI on ``app`` at ``path``. It serves no file of the image folder (see the module docstring);
+    uploads over ``max_file_size`` bytes are refused (the API's upload limit, by default)."""
+    from serve.http import MAX_UPLOAD_BYTES
+
+    return gr.mount_gradio_app(app, build_ui(engine), path=path, footer_links=["api"],
+                               max_file_size=max_file_size or MAX_UPLOAD_BYTES)

@@ -1,10 +1,19 @@
 """Running the whole serving application: the JSON API from :mod:`serve.http` with the Gradio UI mounted at
 ``/``, on uvicorn. Used by ``moco serve`` and the last step of ``moco demo``.
+
+``moco serve --workers N`` runs N uvicorn worker processes on one listening socket (uvicorn's own
+multiprocess supervisor; the kernel spreads connections over them). Each worker opens its own engine over the
+index directory: the FAISS index is memory-mapped (:mod:`indexer.index_dir`), so the workers share its pages
+instead of holding N copies, and each one watches ``CURRENT`` and hot-swaps on its own. Every response says
+which worker answered in the ``X-Moco-Worker`` header (its process id).
 """
 from __future__ import annotations
 
+import dataclasses
 import errno
+import json
 import logging
+import os
 import socket
 import threading
 import time
@@ -12,7 +21,7 @@ import time
 from fastapi import FastAPI
 
 from contracts.errors import ConfigError
-from serve.engine import SearchEngine
+from serve.engine import EngineConfig, SearchEngine
 
 LOG = logging.getLogger(__name__)
 
@@ -22,6 +31,14 @@ def make_app(engine: SearchEngine, ui: bool = True) -> FastAPI:
     from serve.http import create_app
 
     app = create_app(engine)
+    pid = str(os.getpid())
+
+    @app.middleware("http")
+    async def _worker_header(request, call_next):
+        response = await call_next(request)
+        response.headers["X-Moco-Worker"] = pid
+        return response
+
     if ui:
         from app.gradio_app import mount_ui
 
@@ -72,3 +89,56 @@ def serve_forever(engine: SearchEngine, host: str = "127.0.0.1", port: int = 786
 
     threading.Thread(target=announce, name="moco-announce", daemon=True).start()
     server.run()
+
+
+WORKER_CONFIG_ENV = "MOCO_SERVE_WORKER"  # how the parent hands each spawned worker its configuration
+
+
+def worker_app() -> FastAPI:
+    """The uvicorn app factory of one ``--workers`` process: its own engine over the index directory."""
+    cfg = json.loads(os.environ[WORKER_CONFIG_ENV])
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
+    logging.getLogger("faiss.loader").setLevel(logging.WARNING)
+    engine = SearchEngine(cfg["index_dir"], EngineConfig(**cfg["engine"]))
+    return make_app(engine, ui=cfg["ui"])
+
+
+def serve_workers(index_dir: str, config: EngineConfig, host: str = "127.0.0.1", port: int = 7860,
+                  ui: bool = True, workers: int = 2) -> None:
+    """Serve ``index_dir`` with ``workers`` processes until Ctrl-C (or SIGTERM); prints the URL once they answer.
+
+    Raises:
+        ConfigError: fewer than 1 worker, or the port cannot be listened on.
+    """
+    import urllib.request
+
+    import uvicorn
+
+    if workers < 1:
+        raise ConfigError(f"--workers must be at least 1, got {workers}")
+    check_port(host, port)
+    os.environ[WORKER_CONFIG_ENV] = json.dumps({"index_dir": str(index_dir), "engine": dataclasses.asdict(config),
+                                                "ui": ui})
+    shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    url = f"http://{shown}:{port}/"
+    stop = threading.Event()
+
+    def announce():  # printed once a worker answers
+        while not stop.is_set():
+            try:
+                with urllib.request.urlopen(url + "api/health", timeout=2) as reply:
+                    generation = json.loads(reply.read())["generation"]
+                print(f"serving {index_dir} (generation {generation}) at {url} with {workers} workers  (API docs: "
+                      f"{url}docs; Ctrl-C stops)", flush=True)
+                return
+            except OSError:
+                time.sleep(0.1)
+
+    threading.Thread(target=announce, name="moco-announce", daemon=True).start()
+    try:
+        uvicorn.run("app.server:worker_app", factory=True, host=host, port=port, workers=workers,
+                    log_level="warning", timeout_graceful_shutdown=5)
+    finally:
+        stop.set()
+

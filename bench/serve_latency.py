@@ -32,8 +32,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PHASES = ("decode", "queue", "embed", "search", "metadata", "total")
 
 
-def build_bench_index(work: Path, corpus: int, device: str) -> tuple[Path, Path]:
-    """Generated shapes + random-init ResNet-18 (32 px) -> ``(index dir, image folder)``."""
+def build_bench_index(work: Path, corpus: int, device: str, stem: str = "auto") -> tuple[Path, Path]:
+    """Generated shapes + random-init ResNet-18 (32 px, ``stem``) -> ``(index dir, image folder)``."""
     import torch
 
     from indexer.build import IndexConfig, build_index_dir
@@ -54,7 +54,7 @@ def build_bench_index(work: Path, corpus: int, device: str) -> tuple[Path, Path]
     if not data.is_dir():
         write_demo_dataset(data, per_class=max(1, corpus // len(CLASSES)), size=32, seed=0)
     run = work / "run"
-    cfg = TrainConfig(data_dir=str(data), out_dir=str(run), arch="resnet18", image_size=32, epochs=1,
+    cfg = TrainConfig(data_dir=str(data), out_dir=str(run), arch="resnet18", stem=stem, image_size=32, epochs=1,
                       batch_size=32, queue_size=128, workers=0, device="cpu", knn_every=0, run_id="bench")
     torch.manual_seed(0)
     run.mkdir(parents=True, exist_ok=True)
@@ -72,9 +72,9 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_server(index: Path, port: int, device: str, threads: int | None) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "app.cli", "serve", str(index), "--port", str(port), "--no-ui", "--device", device,
-           "--poll-seconds", "0"]
+def start_server(index: Path, port: int, device: str, threads: int | None, ui: bool = False) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "app.cli", "serve", str(index), "--port", str(port), "--device", device,
+           "--poll-seconds", "0"] + ([] if ui else ["--no-ui"])
     if threads:
         cmd += ["--threads", str(threads)]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
@@ -92,7 +92,27 @@ def percentiles(values: list[float]) -> dict[str, float]:
             "p99_ms": float(np.percentile(a, 99)), "mean_ms": float(a.mean())}
 
 
-def run_level(url: str, payloads: list[bytes], concurrency: int, requests: int, warmup: int, k: int) -> dict:
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (Linux /proc; 0.0 elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def machine_busy_seconds() -> float:
+    """CPU seconds all cores of this machine spent busy so far (Linux /proc/stat; 0.0 elsewhere)."""
+    try:
+        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except OSError:
+        return 0.0
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def run_level(url: str, payloads: list[bytes], concurrency: int, requests: int, warmup: int, k: int,
+              server_pid: int) -> dict:
     import httpx
 
     local = threading.local()
@@ -111,21 +131,35 @@ def run_level(url: str, payloads: list[bytes], concurrency: int, requests: int, 
 
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
         list(pool.map(one, range(warmup)))
-        tic = time.perf_counter()
+        tic, server_cpu, client_cpu = time.perf_counter(), process_cpu_seconds(server_pid), time.process_time()
+        busy = machine_busy_seconds()
         results = list(pool.map(one, range(requests)))
         wall = time.perf_counter() - tic
+        server_cpu = process_cpu_seconds(server_pid) - server_cpu
+        client_cpu = time.process_time() - client_cpu
+        other_cpu = machine_busy_seconds() - busy - server_cpu - client_cpu
     latencies = [r[0] for r in results]
     server = {phase: percentiles([r[1][phase] for r in results]) for phase in PHASES}
     return {"concurrency": concurrency, "requests": requests, "seconds": wall, "throughput_rps": requests / wall,
             "latency": percentiles(latencies), "server_phases": server,
-            "mean_batch_size": float(np.mean([r[2] for r in results]))}
+            "mean_batch_size": float(np.mean([r[2] for r in results])),
+            # CPU per request of each side (both share the machine's cores)
+            "server_cpu_ms_per_request": 1000 * server_cpu / requests,
+            "client_cpu_ms_per_request": 1000 * client_cpu / requests,
+            # CPU the rest of the machine took meanwhile, in cores (other processes: noise in the figures)
+            "other_cpu_cores": max(0.0, other_cpu / wall)}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--index-dir", type=Path, default=None, help="serve this index (default: build one in --work)")
     p.add_argument("--queries", type=Path, default=None, help="folder of query images (default: the indexed ones)")
-    p.add_argument("--work", type=Path, default=Path("bench/results/serve_work"), help="where to build the index")
+    p.add_argument("--work", type=Path, default=None,
+                   help="where to build the index (default bench/results/serve_work_<stem>)")
+    p.add_argument("--stem", default="auto", choices=("auto", "small", "imagenet"),
+                   help="ResNet-18 stem of the built index's encoder: auto = small at 32 px (3x3 stride 1, about "
+                        "16x the compute), imagenet = the demo's (7x7 stride 2 + max-pool)")
+    p.add_argument("--ui", action="store_true", help="mount the Gradio UI too (as `moco serve` does by default)")
     p.add_argument("--corpus", type=int, default=2000, help="images in the built index (default 2000)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16], help="client threads per level")
     p.add_argument("--requests", type=int, default=300, help="timed requests per level")
@@ -138,7 +172,8 @@ def main() -> None:
 
     index, images = args.index_dir, args.queries
     if index is None:
-        index, built_images = build_bench_index(args.work, args.corpus, args.device)
+        work = args.work or Path(f"bench/results/serve_work_{args.stem}")
+        index, built_images = build_bench_index(work, args.corpus, args.device, args.stem)
         images = images or built_images
     if images is None:
         images = Path(json.loads((index / "generations" / (index / "CURRENT").read_text().strip()
@@ -149,14 +184,15 @@ def main() -> None:
                            / "manifest.json").read_text())
 
     port = free_port()
-    server = start_server(index, port, args.device, args.threads)
+    server = start_server(index, port, args.device, args.threads, args.ui)
     try:
         levels = []
         for c in args.concurrency:
-            level = run_level(f"http://127.0.0.1:{port}", payloads, c, args.requests, args.warmup, args.k)
+            level = run_level(f"http://127.0.0.1:{port}", payloads, c, args.requests, args.warmup, args.k, server.pid)
             lat = level["latency"]
             print(f"concurrency {c:3d}: {level['throughput_rps']:7.1f} req/s  p50 {lat['p50_ms']:6.1f} ms  "
                   f"p95 {lat['p95_ms']:6.1f} ms  p99 {lat['p99_ms']:6.1f} ms  batch {level['mean_batch_size']:.1f}  "
+                  f"cpu/req server {level['server_cpu_ms_per_request']:.1f} client {level['client_cpu_ms_per_request']:.1f} ms  "
                   + "  ".join(f"{ph} {level['server_phases'][ph]['p50_ms']:.1f}" for ph in PHASES[:-1]) + " (p50 ms)")
             levels.append(level)
     finally:
@@ -167,7 +203,8 @@ def main() -> None:
         "index": {"count": manifest["count"], "factory": manifest["factory"], "embedding_dim": manifest["embedding_dim"],
                   "model": manifest.get("model")},
         "query_bytes_mean": float(np.mean([len(p) for p in payloads])),
-        "device": args.device, "threads": args.threads, "cpu_count": os.cpu_count(),
+        "device": args.device, "threads": args.threads, "stem": args.stem if args.index_dir is None else None,
+        "ui": args.ui, "cpu_count": os.cpu_count(),
         "platform": platform.platform(), "python": platform.python_version(),
         "command": " ".join([Path(sys.argv[0]).as_posix()] + sys.argv[1:]), "levels": levels,
     }

@@ -86,8 +86,10 @@ def atomic_path(path: str | os.PathLike, hint: str = "choose a writable location
 def atomic_write(path: str | os.PathLike, mode: str = "wb", hint: str = "choose a writable location") -> Iterator[IO]:
     """Yield an open file (``mode`` ``"wb"`` or ``"w"``) that replaces ``path`` atomically when the block ends
     without an error. ``f.name`` is the temporary path (to check the file before it is published)."""
+    # text: UTF-8, and a file name that is not UTF-8 (a str with surrogate escapes) is written as its own bytes
+    text = {} if "b" in mode else {"encoding": "utf-8", "errors": "surrogateescape"}
     with atomic_path(path, hint) as tmp:
-        with output_errors(path, hint), open(tmp, mode) as f:
+        with output_errors(path, hint), open(tmp, mode, **text) as f:
             yield f
             f.flush()
 

@@ -23,7 +23,8 @@ import json
 import numpy as np
 from PIL import Image
 
-from contracts.errors import ArtifactError, ConfigError
+from contracts.errors import ArtifactError, ConfigError, DataError
+from contracts.images import check_size
 
 ENCODER_FORMAT = "moco-retrieval/encoder"
 ENCODER_FORMAT_VERSION = 1
@@ -103,13 +104,18 @@ def resized_size(width: int, height: int, image_size: int) -> tuple[int, int]:
 def preprocess_image(image: Image.Image, image_size: int, resize: str = RESIZE_POLICY) -> np.ndarray:
     """One RGB image as the encoder's input row: uint8 ``[image_size, image_size, 3]`` (see the module docstring).
 
-    A pure function: safe to call in worker processes without a session.
+    A pure function: safe to call in worker processes without a session. Its intermediate (the resized image
+    before the crop) is at most ``MAX_ASPECT_RATIO`` squares of ``image_size``: more elongated images are refused.
 
     Raises:
         ConfigError: unknown ``resize`` policy.
+        DataError: an image more elongated than ``contracts.images.MAX_ASPECT_RATIO``, or without pixels.
     """
     if resize not in RESIZE_POLICIES:
         raise ConfigError(f"unknown resize policy {resize!r}; expected one of {', '.join(RESIZE_POLICIES)}")
+    problem = check_size(*image.size, max_pixels=image.width * image.height)  # the resize is bounded by the aspect
+    if problem is not None:
+        raise DataError(f"cannot resize: {problem}")
     if image.mode != "RGB":
         image = image.convert("RGB")
     new_w, new_h = resized_size(*image.size, image_size)

@@ -34,6 +34,13 @@ class UnknownItemError(DataError):
     http_status = 404
 
 
+class ImageGoneError(DataError):
+    """An indexed item whose image file is no longer the file that was indexed: deleted, replaced (by a
+    symlink, a FIFO, another file), changed, or now resolving outside the image folder."""
+
+    http_status = 410
+
+
 class UploadTooLargeError(DataError):
     """An uploaded file over the server's size limit."""
 
@@ -62,7 +69,7 @@ class ExportError(MocoError):
 
 
 class IndexBuildError(MocoError):
-    """A FAISS index or metadata store that could not be built."""
+    """A FAISS index or metadata store that could not be built (or a rank of the build that stopped)."""
 
     exit_code = 7
     http_status = 500

@@ -1,14 +1,24 @@
-"""The ``moco index`` pipeline: scan, diff against the live generation, embed what is new, publish.
+"""The ``moco index`` pipeline: plan against the live generation, embed what is new (on one or many ranks),
+publish what changed.
 
-1. scan the folder (``indexer.scan``) and compare each file's size and mtime with the live generation's
-   metadata: unchanged files are not read again; new and changed files are embedded; vanished ones removed;
-2. embed: worker processes read, hash, decode and resize (``indexer.decode``); this process batches them
-   through the ONNX encoder; results go to resumable shards (``indexer.shards``);
-3. commit into a staging generation: copy the metadata store, tombstone removed and changed ids, add new
-   records with fresh ids (in path order, so an interrupted run resumed gives the same ids), write the new
-   vectors as a block (``indexer.vectors``), rebuild the FAISS index from the live vectors of all blocks
-   (``indexer.faiss_index``), copy the encoder, write manifest and report;
-4. publish it atomically (``indexer.layout.publish``) and delete the shards.
+1. plan (``indexer.plan``): rescan the folder (or stat only a ``--changed-list``) and compare each file's size
+   and mtime with the live generation's metadata: unchanged files are not read again; new and changed files
+   are embedded; vanished ones removed;
+2. embed (``indexer.embed``): into resumable shards (``indexer.shards``); under ``torchrun`` every rank embeds
+   its share of the plan and rank 0 waits for the others (``indexer.ranks``), then does the rest alone;
+3. commit into a staging generation, one of:
+
+   - a **full build** (first run, ``--rebuild``): a fresh metadata store, every vector as a block
+     (``indexer.vectors``), a FAISS index trained and filled from them (``indexer.faiss_index``, on disk past
+     the memory budget), recall tuned;
+   - an **update** (``indexer.update``): the predecessor's base shared by hard links, its small delta
+     copied and extended with what changed, removed base ids appended. Costs what changed;
+   - a **compaction**, published right after an update once the changes pass 5% of the base and 1,000
+     items (or the index type must change, or ``--compact now``): metadata layers folded into one, vector blocks merged, the
+     FAISS index rebuilt from the live vectors (IVF keeps its trained lists), recall re-measured;
+
+   then copy the encoder, write manifest and report;
+4. publish atomically (``indexer.layout.publish``) and delete the shards.
 
 A run that changes nothing publishes nothing.
 """
@@ -23,12 +33,15 @@ from pathlib import Path
 
 import numpy as np
 
-from contracts.atomic import link_or_copy_atomic, output_errors, write_json_atomic
+from contracts.atomic import atomic_write, link_or_copy_atomic, output_errors, write_json_atomic
 from contracts.errors import ArtifactError, ConfigError, DataError, OutputError
-from indexer import faiss_index
-from indexer.decode import decode_files
+from contracts.filenames import display_name
+from contracts.launch import WorldInfo, world_info_from_env
+from indexer import faiss_index, update
+from indexer.embed import FolderEmbedder
 from indexer.encoder import OnnxEncoder, available_cores
 from indexer.layout import (
+    GenerationPaths,
     IndexLayout,
     generation_name,
     generation_number,
@@ -38,17 +51,44 @@ from indexer.layout import (
     utc_now,
 )
 from indexer.manifest import IndexManifest
-from indexer.metadata import MetadataStore, copy_store
+from indexer.metadata import MetadataStore, link_store, materialize
+from indexer.plan import Plan, plan_full, plan_listed, read_changed_list, scan_listed
+from indexer.ranks import DEFAULT_TIMEOUT_S, Rendezvous, part_of_plan, plan_digest
 from indexer.scan import ScanEntry, read_labels_csv, scan_folder
-from indexer.shards import WorkShards
-from indexer.vectors import BlockWriter, block_exists, live_blocks
+from indexer.shards import WorkShards, discard_other_models
+from indexer.vectors import BlockVectors, BlockWriter, block_dtype, block_exists, live_blocks
 
 LOG = logging.getLogger(__name__)
 
+COMPACT_MODES = ("auto", "now", "never")
 
-def default_workers() -> int:
-    """Decoding processes: all cores but the one feeding the encoder, at most 16."""
-    return max(1, min(16, available_cores() - 1))
+
+def default_workers(world: WorldInfo | None = None) -> int:
+    """Decoding processes of one rank: its share of the cores but the one feeding the encoder, at most 16
+    (0, decoding in the rank itself, when it has a single core)."""
+    cores = available_cores() // max(1, world.local_world_size if world else 1)
+    if world is not None and world.local_world_size > 1:
+        return max(0, min(16, cores - 1))
+    return max(1, min(16, cores - 1))
+
+
+def parse_bytes(text: str | int | None) -> int | None:
+    """``"8G"``, ``"512M"``, ``"1.5T"`` or a number of bytes -> bytes.
+
+    Raises:
+        ConfigError: not a size.
+    """
+    if text is None or isinstance(text, int):
+        return text
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+    s = str(text).strip().lower().removesuffix("b").removesuffix("i")
+    try:
+        value = float(s[:-1]) * units[s[-1]] if s and s[-1] in units else float(s)
+    except ValueError:
+        raise ConfigError(f"--max-index-memory must be a size like 8G or 512M, got {text!r}") from None
+    if value <= 0:
+        raise ConfigError(f"--max-index-memory must be positive, got {text!r}")
+    return int(value)
 
 
 @dataclass
@@ -60,23 +100,32 @@ class IndexConfig:
     out_dir: str                        # the index directory (created; updated in place on later runs)
     index_type: str = "auto"            # auto, flat, hnsw, ivf, ivfpq or a FAISS factory string
     batch_size: int = 64                # images per encoder call
-    workers: int = field(default_factory=default_workers)  # decoding processes (0 = decode in this process)
+    workers: int | None = None          # decoding processes per rank (0 = in the rank; None: default_workers)
     device: str = "auto"                # encoder device: auto (GPU when usable), cpu or cuda
     labels_csv: str | None = None       # optional path,label CSV; default labels are first-level subfolders
     rebuild: bool = False               # ignore the existing index (another model, another folder) and start over
     shard_size: int = 1024              # embeddings per resumable shard
     target_recall: float = faiss_index.TARGET_RECALL  # recall@10 the search parameters are tuned to reach
     progress: bool = True               # show a progress bar
+    max_index_memory: int | str | None = None  # RAM the index may take ("8G"); default half the machine's
+    compact: str = "auto"               # auto (past 5% of changes), now, never
+    changed_list: str | None = None     # file of relative paths to look at instead of rescanning the folder
+    rank_timeout: float = DEFAULT_TIMEOUT_S  # rank 0 gives up on a rank without progress for this long
 
     def __post_init__(self):
         if self.batch_size < 1:
             raise ConfigError(f"--batch-size must be at least 1, got {self.batch_size}")
-        if self.workers < 0:
+        if self.workers is not None and self.workers < 0:
             raise ConfigError(f"--workers must be 0 or more, got {self.workers}")
         if self.shard_size < 1:
             raise ConfigError(f"--shard-size must be at least 1, got {self.shard_size}")
         if not 0 < self.target_recall <= 1:
             raise ConfigError(f"--target-recall must be in (0, 1], got {self.target_recall}")
+        if self.compact not in COMPACT_MODES:
+            raise ConfigError(f"--compact must be one of {', '.join(COMPACT_MODES)}, got {self.compact!r}")
+        if self.rank_timeout <= 0:
+            raise ConfigError(f"--rank-timeout must be positive, got {self.rank_timeout}")
+        self.max_index_memory = parse_bytes(self.max_index_memory)
 
 
 @dataclass
@@ -98,19 +147,36 @@ class IndexResult:
     factory: str
     recall_at_10: float | None
     search_params: dict
-    timings: dict                     # seconds: scan, embed (total, decode_wait, encoder), commit, index, total
+    timings: dict                     # seconds: scan, plan, embed (...), commit, index, publish, compact, total
     report_path: str
+    mode: str = "build"               # build, update, compaction, unchanged, or rank (a rank > 0: embedded only)
+    compacted: str | None = None      # the generation a compaction published after the update, if any
+    rank: int = 0
+    world_size: int = 1
+    delta_count: int = 0
+    removed_count: int = 0
 
 
 @dataclass
-class _Plan:
-    """The difference between the folder and the live generation."""
+class _Run:
+    """State one run carries from planning to publishing."""
 
-    todo: list[ScanEntry]             # new or changed files, in path order
-    changed_ids: dict[str, int]       # path -> old id, for changed files
-    removed_ids: list[int]            # ids of vanished files
-    unchanged: int
-    skipped: dict[str, dict]          # path -> {path, bytes, mtime_ns, reason}, still unreadable + unchanged
+    cfg: IndexConfig
+    layout: IndexLayout
+    image_root: Path
+    world: WorldInfo
+    embedder: object
+    previous: str | None = None
+    prev_manifest: IndexManifest | None = None
+    base: IndexManifest | None = None  # the manifest an update builds on (None: a full build)
+    plan: Plan | None = None
+    shards: WorkShards | None = None
+    timings: dict = field(default_factory=dict)
+    stats: dict = field(default_factory=dict)
+
+    @property
+    def encoder(self):
+        return self.embedder.encoder
 
 
 @contextmanager
@@ -133,8 +199,15 @@ def _writer_lock(layout: IndexLayout):
         f.close()
 
 
-def build_index_dir(cfg: IndexConfig) -> IndexResult:
+def build_index_dir(cfg: IndexConfig, embedder=None, scanner=None) -> IndexResult:
     """Create or update the index directory ``cfg.out_dir`` from ``cfg.image_dir`` (see the module docstring).
+
+    Launched by torchrun (``RANK`` / ``WORLD_SIZE`` set), every rank calls this; rank 0 publishes.
+
+    Args:
+        embedder: what turns files into vectors (see ``indexer.embed``; default: the ONNX encoder ``cfg.model``
+            over decoded images).
+        scanner: ``(root, labels) -> ScanResult`` instead of scanning the folder (benchmarks).
 
     Raises:
         DataError: missing or empty image folder.
@@ -142,9 +215,10 @@ def build_index_dir(cfg: IndexConfig) -> IndexResult:
             ``rebuild``); another run holds the directory.
         OutputError: the output cannot be written (permissions, full disk).
         ConfigError: bad options (unknown index type or device).
-        IndexBuildError: FAISS or LMDB failed.
+        IndexBuildError: FAISS or LMDB failed, or a rank stopped making progress.
     """
     t_start = time.perf_counter()
+    world = world_info_from_env()
     layout = IndexLayout(Path(cfg.out_dir).absolute())
     image_root = Path(cfg.image_dir).absolute()
     with output_errors(layout.root):
@@ -154,237 +228,428 @@ def build_index_dir(cfg: IndexConfig) -> IndexResult:
     if not os.access(layout.root, os.W_OK):
         raise OutputError(f"cannot write {layout.root} (permission denied); choose a writable --out")
     labels = read_labels_csv(cfg.labels_csv) if cfg.labels_csv else None
+    if world.rank != 0:  # no lock: rank 0 holds it for the whole run, the others only write their shards
+        run = _prepare(cfg, layout, image_root, labels, world, embedder, scanner)
+        return _embed_and_wait(run, t_start)
     with _writer_lock(layout):
-        return _build_locked(cfg, layout, image_root, labels, t_start)
+        remove_stale_staging(layout)
+        run = _prepare(cfg, layout, image_root, labels, world, embedder, scanner)
+        return _embed_and_wait(run, t_start)
 
 
-def _build_locked(cfg: IndexConfig, layout: IndexLayout, image_root: Path, labels, t_start: float) -> IndexResult:
-    remove_stale_staging(layout)
+def _open_embedder(cfg: IndexConfig, image_root: Path, world: WorldInfo) -> FolderEmbedder:
+    threads = max(1, available_cores() // world.local_world_size) if world.world_size > 1 else None
+    device = cfg.device
+    if world.world_size > 1 and device in ("auto", "cuda"):  # one GPU per rank of a node
+        try:
+            encoder = OnnxEncoder(cfg.model, device=f"cuda:{world.local_rank}", threads=threads)
+        except ConfigError:
+            if device == "cuda":
+                raise
+            encoder = OnnxEncoder(cfg.model, device="cpu", threads=threads)
+    else:
+        encoder = OnnxEncoder(cfg.model, device=device, threads=threads)
+    workers = cfg.workers if cfg.workers is not None else default_workers(world)
+    return FolderEmbedder(encoder, image_root, cfg.batch_size, workers)
+
+
+def _prepare(cfg: IndexConfig, layout: IndexLayout, image_root: Path, labels, world: WorldInfo, embedder,
+             scanner) -> _Run:
+    run = _Run(cfg, layout, image_root, world, embedder)
     tic = time.perf_counter()
-    scan = scan_folder(image_root, labels)
-    t_scan = time.perf_counter() - tic
-    encoder = OnnxEncoder(cfg.model, device=cfg.device)
-    previous = layout.current()
-    prev_manifest = IndexManifest.read(layout.generation(previous).manifest) if previous else None
-    if prev_manifest is not None and not cfg.rebuild:
-        prev_manifest.check_encoder(encoder, str(layout.root), "pass --rebuild to re-embed everything with it")
-        if Path(prev_manifest.image_root) != image_root:
-            raise ArtifactError(f"{layout.root} indexes {prev_manifest.image_root}, not {image_root}; use another "
-                                "--out, or pass --rebuild to index this folder instead")
-    base = prev_manifest if not cfg.rebuild else None
-    prev_store = MetadataStore(layout.generation(previous).meta) if base is not None else None
+    gone = None
+    if cfg.changed_list:
+        scan, gone = scan_listed(image_root, read_changed_list(cfg.changed_list), labels)
+    elif scanner is not None:
+        scan = scanner(image_root, labels)
+    else:
+        scan = scan_folder(image_root, labels)
+    run.timings["scan"] = time.perf_counter() - tic
+    if run.embedder is None:
+        run.embedder = _open_embedder(cfg, image_root, world)
+    encoder = run.encoder
+    run.previous = layout.current()
+    run.prev_manifest = IndexManifest.read(layout.generation(run.previous).manifest) if run.previous else None
+    if run.prev_manifest is not None and not cfg.rebuild:
+        run.prev_manifest.check_encoder(encoder, str(layout.root), "pass --rebuild to re-embed everything with it")
+        if Path(run.prev_manifest.image_root) != image_root:
+            raise ArtifactError(f"{layout.root} indexes {run.prev_manifest.image_root}, not {image_root}; use "
+                                "another --out, or pass --rebuild to index this folder instead")
+    run.base = run.prev_manifest if not cfg.rebuild else None
+    tic = time.perf_counter()
+    store = _open_store(layout.generation(run.previous)) if run.base is not None else None
     try:
-        plan = _plan(scan.entries, prev_store)
+        if cfg.changed_list:
+            run.plan = plan_listed(scan.entries, gone, store)
+            run.plan.unchanged = run.base.count - len(run.plan.changed_ids) - len(run.plan.removed_ids)
+        else:
+            run.plan = plan_full(scan.entries, store)
     finally:
-        if prev_store is not None:
-            prev_store.close()
+        if store is not None:
+            store.close()
     for rel, reason in scan.skipped:
-        plan.skipped[rel] = {"path": rel, "bytes": 0, "mtime_ns": 0, "reason": reason}
+        run.plan.skipped[rel] = {"path": rel, "bytes": 0, "mtime_ns": 0, "reason": reason}
+    run.timings["plan"] = time.perf_counter() - tic
+    expected = (run.base.count if run.base else 0) + len(run.plan.todo) - len(run.plan.removed_ids)
+    factory = _wanted(cfg, max(expected, 1), encoder.embedding_dim).factory
+    dtype = block_dtype(factory if run.base is None else run.base.factory)
+    run.shards = WorkShards(layout.work, encoder.sha256, encoder.embedding_dim, cfg.shard_size, rank=world.rank,
+                            dtype=dtype)
+    if world.rank == 0:
+        discard_other_models(layout.work, run.shards.dir)
+    return run
 
-    shards = WorkShards(layout.work, encoder.sha256, encoder.embedding_dim, cfg.shard_size)
-    embed_stats = _embed(cfg, encoder, image_root, plan.todo, shards)
-    failed = {e.path: shards.lookup(e.path, e.bytes, e.mtime_ns) for e in plan.todo}
-    failed = {p: e for p, e in failed.items() if e is not None and e["row"] < 0}
+
+def _open_store(gen: GenerationPaths) -> MetadataStore:
+    """A generation's metadata, read-only (layered when it has a delta)."""
+    return MetadataStore(gen.meta, delta=gen.delta_meta if gen.delta_meta.is_dir() else None)
+
+
+def _wanted(cfg: IndexConfig, n: int, d: int) -> faiss_index.IndexChoice:
+    return faiss_index.choose_index(cfg.index_type, n, d, budget=cfg.max_index_memory)
+
+
+def _embed_and_wait(run: _Run, t_start: float) -> IndexResult:
+    """Embed this rank's part of the plan; rank 0 then waits for the others, fills gaps and commits."""
+    cfg, world, plan, shards = run.cfg, run.world, run.plan, run.shards
+    part = part_of_plan(plan.todo, world.rank, world.world_size, cfg.shard_size)
+    rendezvous = Rendezvous(shards.dir, world, cfg.rank_timeout)
+    if world.world_size > 1:
+        shards.on_flush = rendezvous.progress
+        rendezvous.progress(0)
+        LOG.info("rank %d of %d: %d of the %d files to embed", world.rank, world.world_size, len(part),
+                 len(plan.todo))
+    run.stats = run.embedder.embed_into(part, shards, progress=cfg.progress)
+    if world.rank != 0:
+        rendezvous.mark_done(plan_digest(part), len(part))
+        return IndexResult(
+            index_dir=str(run.layout.root), generation=run.previous or "", published=False, count=0, added=0,
+            updated=0, removed=0, unchanged=0, duplicates=0, embedded=run.stats["embedded"],
+            resumed=run.stats["resumed"], skipped=[], factory="", recall_at_10=None, search_params={},
+            timings={**run.timings, "embed": run.stats["embed"], "total": time.perf_counter() - t_start},
+            report_path=str(run.layout.report), mode="rank", rank=world.rank, world_size=world.world_size)
+    if world.world_size > 1:
+        tic = time.perf_counter()
+        rendezvous.wait_for_peers({r: plan_digest(part_of_plan(plan.todo, r, world.world_size, cfg.shard_size))
+                                   for r in range(world.world_size)})
+        run.timings["wait_for_ranks"] = time.perf_counter() - tic
+        shards.refresh()
+        gaps = [e for e in plan.todo if shards.lookup(e.path, e.bytes, e.mtime_ns) is None]
+        if gaps:
+            LOG.warning("rank 0 embeds %d files the other ranks did not (the folder changed during the run?)",
+                        len(gaps))
+            more = run.embedder.embed_into(gaps, shards, progress=cfg.progress)
+            for key in ("embedded", "embed", "decode_wait", "encoder", "decode_cpu"):
+                run.stats[key] = run.stats.get(key, 0) + more.get(key, 0)
+    return _commit(run, t_start)
+
+
+def _commit(run: _Run, t_start: float) -> IndexResult:
+    layout, plan, shards, base = run.layout, run.plan, run.shards, run.base
+    failed = {}
+    for e in plan.todo:
+        entry = shards.lookup(e.path, e.bytes, e.mtime_ns)
+        if entry is not None and entry["row"] < 0:
+            failed[e.path] = entry
     for path, entry in failed.items():
         plan.skipped[path] = {"path": path, "bytes": entry["stat_bytes"], "mtime_ns": entry["mtime_ns"],
                               "reason": entry["error"]}
     readable = [e for e in plan.todo if e.path not in failed]
-    added = sum(1 for e in readable if e.path not in plan.changed_ids)
-    updated = sum(1 for e in readable if e.path in plan.changed_ids)
-    # a changed file that became unreadable is removed from the index
-    removed = len(plan.removed_ids) + sum(1 for p in failed if p in plan.changed_ids)
+    counts = {"added": sum(1 for e in readable if e.path not in plan.changed_ids),
+              "updated": sum(1 for e in readable if e.path in plan.changed_ids),
+              # a changed file that became unreadable is removed from the index
+              "removed": len(plan.removed_ids) + sum(1 for p in failed if p in plan.changed_ids)}
     skipped_list = [{"path": s["path"], "reason": s["reason"]} for s in sorted(plan.skipped.values(),
                                                                                 key=lambda s: s["path"])]
     if base is None and not readable:
-        raise DataError(f"no readable images in {image_root} ({len(plan.skipped)} unreadable files, e.g. "
-                        f"{skipped_list[0]['path']}: {skipped_list[0]['reason']})")
-    factory_now = None
+        raise DataError(f"no readable images in {run.image_root} ({len(plan.skipped)} unreadable files, e.g. "
+                        f"{display_name(skipped_list[0]['path'])}: {skipped_list[0]['reason']})")
     if base is not None and not plan.todo and not plan.removed_ids:
-        factory_now = faiss_index.choose_factory(cfg.index_type, base.count, encoder.embedding_dim)
-    prev_skipped = None
-    if base is not None:
-        with MetadataStore(layout.generation(previous).meta) as store:
+        with _open_store(layout.generation(run.previous)) as store:
             prev_skipped = store.skipped()
-    if factory_now is not None and factory_now == base.factory and prev_skipped == plan.skipped:
-        LOG.info("nothing changed in %s; generation %s stays live", image_root, previous)
-        shards.clear()
-        result = IndexResult(
-            index_dir=str(layout.root), generation=previous, published=False, count=base.count, added=0,
-            updated=0, removed=0, unchanged=plan.unchanged, duplicates=base.duplicates, embedded=0,
-            resumed=0, skipped=skipped_list, factory=base.factory, recall_at_10=base.recall_at_10,
-            search_params=base.search_params,
-            timings={"scan": t_scan, "total": time.perf_counter() - t_start}, report_path=str(layout.report))
-        write_json_atomic(layout.report, asdict(result))
-        return result
+        if prev_skipped == plan.skipped:
+            if _compaction_wanted(run, base):
+                result = _compact(run, run.previous, t_start, skipped_list, counts)
+                shards.clear()
+                return result
+            LOG.info("nothing changed in %s; generation %s stays live", run.image_root, run.previous)
+            shards.clear()
+            result = IndexResult(
+                index_dir=str(layout.root), generation=run.previous, published=False, count=base.count, added=0,
+                updated=0, removed=0, unchanged=plan.unchanged, duplicates=base.duplicates, embedded=0,
+                resumed=0, skipped=skipped_list, factory=base.factory, recall_at_10=base.recall_at_10,
+                search_params=base.search_params, mode="unchanged",
+                timings={**run.timings, "total": time.perf_counter() - t_start}, report_path=str(layout.report),
+                delta_count=base.delta_count, removed_count=base.removed_count)
+            write_json_atomic(layout.report, asdict(result))
+            return result
 
-    tic = time.perf_counter()
-    name = generation_name(generation_number(previous) + 1 if previous else 1)
+    name = generation_name(generation_number(run.previous) + 1 if run.previous else 1)
     staging = new_staging_dir(layout)
-    store_path = staging.meta
-    if base is not None:
-        with output_errors(store_path):
-            copy_store(layout.generation(previous).meta, store_path)
-    with MetadataStore(store_path, readonly=False) as store:
-        if base is None and prev_manifest is not None:  # --rebuild: ids continue, never reused
-            store.set_next_id(prev_manifest.next_id)
-        old_ids = list(plan.removed_ids) + [plan.changed_ids[p] for p in sorted(plan.changed_ids)]
-        store.remove_items(old_ids, name)
+    if base is None:
+        manifest, timings = _commit_full(run, staging, name, readable, counts)
+    else:
+        manifest, timings = _commit_update(run, staging, name, readable, counts)
+    run.timings.update(timings)
+    result = _publish(run, staging, manifest, counts, skipped_list, t_start)
+    if base is not None and _compaction_wanted(run, manifest):
+        compacted = _compact(run, name, t_start, skipped_list, counts)
+        result.compacted = compacted.generation
+        result.timings.update({k: v for k, v in compacted.timings.items() if k.startswith("compact")})
+        for key in ("factory", "recall_at_10", "search_params", "delta_count", "removed_count"):
+            setattr(result, key, getattr(compacted, key))
+        result.generation = compacted.generation
+        result.timings["total"] = time.perf_counter() - t_start
+        write_json_atomic(layout.report, asdict(result))
+    shards.clear()
+    return result
+
+
+def _compaction_wanted(run: _Run, manifest: IndexManifest) -> bool:
+    cfg = run.cfg
+    if cfg.compact == "now":
+        return True
+    wanted = _wanted(cfg, max(1, manifest.count), manifest.embedding_dim)
+    restructure = (not faiss_index.same_structure(manifest.factory, wanted.factory)
+                   or wanted.on_disk != manifest.on_disk)
+    if restructure and (cfg.compact == "auto" or cfg.index_type != "auto"):  # never: only an explicit new type
+        LOG.info("%s is now %s%s: rebuilding", manifest.factory, wanted.factory, " on disk" if wanted.on_disk else "")
+        return True
+    return cfg.compact == "auto" and update.needs_compaction(manifest)
+
+
+RECORD_CHUNK = 10_000  # files committed per step of a full build (its records and vectors, not all at once)
+
+
+def _records(run: _Run, readable: list[ScanEntry], next_id: int) -> list[dict]:
+    """New records with fresh ids in path order (so a resumed run gives the same ids)."""
+    records = []
+    for i, e in enumerate(readable):
+        entry = run.shards.lookup(e.path, e.bytes, e.mtime_ns)
+        records.append({"id": next_id + i, "path": e.path, "label": e.label, "width": entry["width"],
+                        "height": entry["height"], "bytes": entry["bytes"], "sha256": entry["sha256"],
+                        "mtime": e.mtime_ns / 1e9, "mtime_ns": e.mtime_ns})
+    return records
+
+
+def _write_block(run: _Run, name: str, ids: np.ndarray, vectors: np.ndarray, dtype) -> list[str]:
+    if not len(ids):
+        return []
+    with BlockWriter(run.layout, name, len(ids), vectors.shape[1], dtype) as writer:
+        writer.extend(ids, vectors)
+    return [name]
+
+
+def _commit_full(run: _Run, staging: GenerationPaths, name: str, readable: list[ScanEntry], counts: dict):
+    """A generation from scratch: one-layer metadata, every vector in one block, a freshly trained index.
+    Records and vectors go through in chunks, so 10M files never sit in memory as records or float32 rows."""
+    cfg, plan, encoder = run.cfg, run.plan, run.encoder
+    choice = _wanted(cfg, len(readable), encoder.embedding_dim)
+    dtype = block_dtype(choice.factory)
+    tic = time.perf_counter()
+    labels, duplicates = {}, 0
+    with MetadataStore(staging.meta, readonly=False) as store:
+        if run.prev_manifest is not None:  # --rebuild: ids continue, never reused
+            store.set_next_id(run.prev_manifest.next_id)
         next_id = store.next_id()
-        records = []
-        with BlockWriter(layout, name, len(readable), encoder.embedding_dim) as writer:
-            for i, e in enumerate(readable):
-                entry = shards.lookup(e.path, e.bytes, e.mtime_ns)
-                item_id = next_id + i
-                records.append({"id": item_id, "path": e.path, "label": e.label, "width": entry["width"],
-                                "height": entry["height"], "bytes": entry["bytes"], "sha256": entry["sha256"],
-                                "mtime": e.mtime_ns / 1e9, "mtime_ns": e.mtime_ns})
-                writer.append(item_id, shards.vector(e.path))
-        store.add_items(records)
+        ids = np.arange(next_id, next_id + len(readable), dtype=np.int64)
+        blocks = [name] if readable else []
+        with BlockWriter(run.layout, name, len(readable), encoder.embedding_dim, dtype) as writer:
+            for start in range(0, len(readable), RECORD_CHUNK):
+                chunk = readable[start:start + RECORD_CHUNK]
+                stored = store.add_items(_records(run, chunk, next_id + start))
+                labels = _label_counts(labels, stored, [])
+                duplicates += sum(r["duplicate_of"] is not None for r in stored)
+                writer.extend(ids[start:start + len(chunk)], run.shards.vectors([e.path for e in chunk]))
         store.replace_skipped(plan.skipped)
-        live, label_counts, duplicates = [], {}, 0
-        for rec in store.iter_records():
-            live.append(rec["id"])
-            if rec["label"] is not None:
-                label_counts[rec["label"]] = label_counts.get(rec["label"], 0) + 1
-            duplicates += rec["duplicate_of"] is not None
         final_next_id = store.next_id()
         store.sync()
-    blocks = [b for b in (base.vector_blocks if base else []) if block_exists(layout, b)]
-    blocks += [name] if readable else []
     t_commit = time.perf_counter() - tic
-
     tic = time.perf_counter()
-    live_ids = np.asarray(live, dtype=np.int64)  # iter_records yields id order: already sorted
-    factory = faiss_index.choose_factory(cfg.index_type, len(live_ids), encoder.embedding_dim)
-    built = faiss_index.build_index(factory, encoder.embedding_dim, len(live_ids),
-                                    live_blocks(layout, blocks, live_ids), target_recall=cfg.target_recall)
+    built = _build_faiss(run, staging, choice, ids, blocks)
+    _copy_encoder(run, staging)
+    t_index = time.perf_counter() - tic
+    manifest = _manifest(run, name, built, count=len(ids), next_id=final_next_id, duplicates=duplicates,
+                         labels=labels, blocks=blocks, counts=counts, dtype=dtype, base_count=len(ids),
+                         base_next_id=final_next_id, delta_count=0, removed_count=0, base_generation=name)
+    return manifest, {"commit": t_commit, "index": t_index}
+
+
+def _build_faiss(run: _Run, staging: GenerationPaths, choice: faiss_index.IndexChoice, live_ids: np.ndarray,
+                 blocks: list[str], trained=None) -> faiss_index.BuiltIndex:
+    """Train (unless ``trained``), fill, tune and write the base index of ``staging`` from ``blocks``."""
+    layout, encoder = run.layout, run.encoder
+    vectors = BlockVectors(layout, blocks) if "PQ" in choice.factory else None
+    built = faiss_index.build_index(choice.factory, encoder.embedding_dim, len(live_ids),
+                                    live_blocks(layout, blocks, live_ids), target_recall=run.cfg.target_recall,
+                                    on_disk=staging.lists if choice.on_disk else None, trained=trained,
+                                    vectors=vectors)
     with output_errors(staging.index):
         faiss_index.write_index(built.index, str(staging.index))
-        same_model = prev_manifest is not None and prev_manifest.model_sha256 == encoder.sha256
-        _copy_encoder(encoder.path, staging.encoder, layout.generation(previous).encoder if same_model else None)
-    t_index = time.perf_counter() - tic
+        if built.trained is not None:
+            with atomic_write(staging.trained) as f:
+                f.write(np.asarray(built.trained).tobytes())
+    if built.on_disk:
+        with open(staging.lists, "rb+") as f:  # the lists were written through a memory map
+            os.fsync(f.fileno())
+    built.index = None  # releases the on-disk lists' memory map before the folder is renamed
+    return built
 
+
+def _commit_update(run: _Run, staging: GenerationPaths, name: str, readable: list[ScanEntry], counts: dict):
+    """The predecessor plus what changed (see ``indexer.update``)."""
+    layout, base, plan = run.layout, run.base, run.plan
+    prev = layout.generation(run.previous)
+    tic = time.perf_counter()
+    update.link_base(prev, staging)
+    with update.open_delta_store(prev, staging) as store:
+        old_ids = list(plan.removed_ids) + [plan.changed_ids[p] for p in sorted(plan.changed_ids)]
+        removed = store.remove_items(old_ids, name)
+        next_id = store.next_id()
+        stored = store.add_items(_records(run, readable, next_id))
+        store.replace_skipped(plan.skipped)
+        final_next_id = store.next_id()
+        store.sync()
+    ids = np.arange(next_id, next_id + len(readable), dtype=np.int64)
+    vectors = run.shards.vectors([e.path for e in readable])
+    labels = _label_counts(base.labels, stored, [rec for rec, _ in removed])
+    duplicates = base.duplicates + _duplicate_change(stored, removed)
+    dtype = np.dtype(base.block_dtype)
+    blocks = [b for b in base.vector_blocks if block_exists(layout, b)]
+    blocks += _write_block(run, name, ids, vectors, dtype)
+    t_commit = time.perf_counter() - tic
+    tic = time.perf_counter()
+    delta_count, removed_count = update.update_faiss(prev, staging, base, ids, vectors,
+                                                     np.asarray(old_ids, dtype=np.int64))
+    _copy_encoder(run, staging)
+    t_index = time.perf_counter() - tic
+    count = base.count + len(ids) - len(old_ids)
+    built = faiss_index.BuiltIndex(index=None, factory=base.factory, search_params=base.search_params,
+                                   recall_at_10=base.recall_at_10, exact=base.exact, trained_on=base.trained_on,
+                                   on_gpu=base.built_on_gpu, on_disk=base.on_disk)
+    manifest = _manifest(run, name, built, count=count, next_id=final_next_id, duplicates=duplicates,
+                         labels=labels, blocks=blocks, counts=counts, dtype=dtype, base_count=base.base_count,
+                         base_next_id=base.base_next_id, delta_count=delta_count, removed_count=removed_count,
+                         base_generation=base.base_generation or base.generation)
+    if base.base_count - removed_count + delta_count != count:
+        raise ArtifactError(f"{layout.root}: the update of {run.previous} would hold {count} items but its FAISS "
+                            "parts do not; rebuild with `moco index --rebuild`")
+    return manifest, {"commit": t_commit, "index": t_index}
+
+
+def _label_counts(labels: dict, added: list[dict], removed: list[dict]) -> dict:
+    out = dict(labels)
+    for rec in added:
+        if rec["label"] is not None:
+            out[rec["label"]] = out.get(rec["label"], 0) + 1
+    for rec in removed:
+        if rec.get("label") is not None:
+            out[rec["label"]] -= 1
+            if out[rec["label"]] <= 0:
+                del out[rec["label"]]
+    return dict(sorted(out.items()))
+
+
+def _duplicate_change(added: list[dict], removed: list[tuple[dict, bool]]) -> int:
+    """Duplicates = sum over contents of (copies - 1): +1 per added copy of known content, -1 per removed item
+    whose content still has live copies (an original's place is taken by its oldest copy)."""
+    return sum(r["duplicate_of"] is not None for r in added) - sum(1 for _, copies_left in removed if copies_left)
+
+
+def _compact(run: _Run, source: str, t_start: float, skipped_list: list[dict], counts: dict) -> IndexResult:
+    """Publish the live content of generation ``source`` as a new base (see ``indexer.update``)."""
+    cfg, layout, encoder = run.cfg, run.layout, run.encoder
+    src = layout.generation(source)
+    manifest = IndexManifest.read(src.manifest)
+    name = generation_name(generation_number(source) + 1)
+    tic = time.perf_counter()
+    staging = new_staging_dir(layout)
+    with output_errors(staging.meta):
+        if src.delta_meta.is_dir():
+            materialize(src.meta, src.delta_meta, staging.meta)
+        else:
+            link_store(src.meta, staging.meta)
+    with MetadataStore(staging.meta) as store:
+        live_ids = store.live_ids()
+    choice = _wanted(cfg, max(1, len(live_ids)), encoder.embedding_dim)
+    trained = None
+    if faiss_index.same_structure(manifest.factory, choice.factory):
+        trained = update.read_trained(src)  # IVF: keep the trained lists; nlist stays as it is
+        choice = faiss_index.IndexChoice(manifest.factory, choice.on_disk)
+    dtype = block_dtype(choice.factory)
+    blocks = [b for b in manifest.vector_blocks if block_exists(layout, b)]
+    blocks = update.compact_blocks(layout, blocks, live_ids, name, dtype)
+    t_meta = time.perf_counter() - tic
+    tic = time.perf_counter()
+    built = _build_faiss(run, staging, choice, live_ids, blocks, trained=trained)
+    _copy_encoder(run, staging)
+    t_index = time.perf_counter() - tic
+    compacted = _manifest(run, name, built, count=len(live_ids), next_id=manifest.next_id,
+                          duplicates=manifest.duplicates, labels=manifest.labels, blocks=blocks,
+                          counts=counts, dtype=dtype, base_count=len(live_ids),
+                          base_next_id=manifest.next_id, delta_count=0, removed_count=0, base_generation=name)
+    compacted.created_at = manifest.created_at
+    run.timings.update({"compact_metadata": t_meta, "compact_index": t_index})
+    result = _publish(run, staging, compacted, counts, skipped_list, t_start, mode="compaction")
+    LOG.info("compacted %s into %s (%d items, recall@10 %s)", source, name, len(live_ids), built.recall_at_10)
+    return result
+
+
+def _manifest(run: _Run, name: str, built: faiss_index.BuiltIndex, *, count, next_id, duplicates, labels, blocks,
+              counts, dtype, base_count, base_next_id, delta_count, removed_count, base_generation) -> IndexManifest:
+    cfg, encoder, base = run.cfg, run.encoder, run.base
     now = utc_now()
-    manifest = IndexManifest(
+    return IndexManifest(
         generation=name, created_at=base.created_at if base else now, updated_at=now,
         model_sha256=encoder.sha256, model=_model_summary(encoder), embedding_dim=encoder.embedding_dim,
         index_type=cfg.index_type, factory=built.factory, search_params=built.search_params,
         recall_at_10=built.recall_at_10, exact=built.exact, trained_on=built.trained_on, built_on_gpu=built.on_gpu,
-        count=int(len(live_ids)), next_id=final_next_id, duplicates=duplicates, skipped=len(plan.skipped),
-        labels=dict(sorted(label_counts.items())), image_root=str(image_root),
+        count=int(count), next_id=int(next_id), duplicates=int(duplicates), skipped=len(run.plan.skipped),
+        labels=labels, image_root=str(run.image_root),
         labels_csv=str(Path(cfg.labels_csv).absolute()) if cfg.labels_csv else None, vector_blocks=blocks,
-        last_update={"added": added, "updated": updated, "removed": removed, "unchanged": plan.unchanged},
+        block_dtype=np.dtype(dtype).name, on_disk=built.on_disk, base_count=int(base_count),
+        base_next_id=int(base_next_id), delta_count=int(delta_count), removed_count=int(removed_count),
+        base_generation=base_generation,
+        last_update={"added": counts["added"], "updated": counts["updated"], "removed": counts["removed"],
+                     "unchanged": run.plan.unchanged},
         library_versions=_library_versions(),
     )
-    timings = {"scan": t_scan, **{k: v for k, v in embed_stats.items() if k not in ("embedded", "resumed")},
-               "commit": t_commit, "index": t_index}
-    result = IndexResult(
-        index_dir=str(layout.root), generation=name, published=True, count=int(len(live_ids)), added=added,
-        updated=updated, removed=removed, unchanged=plan.unchanged, duplicates=duplicates,
-        embedded=embed_stats["embedded"], resumed=embed_stats["resumed"], skipped=skipped_list,
-        factory=built.factory, recall_at_10=built.recall_at_10, search_params=built.search_params,
-        timings=timings, report_path=str(layout.report))
+
+
+def _publish(run: _Run, staging: GenerationPaths, manifest: IndexManifest, counts: dict, skipped_list: list[dict],
+             t_start: float, mode: str | None = None) -> IndexResult:
+    layout = run.layout
+    tic = time.perf_counter()
     manifest.write(staging.manifest)
-    publish(layout, staging, name)
-    shards.clear()
-    result.timings["total"] = time.perf_counter() - t_start
+    publish(layout, staging, manifest.generation)
+    run.timings["publish"] = run.timings.get("publish", 0.0) + time.perf_counter() - tic
+    stats = run.stats
+    timings = {**run.timings, **{k: v for k, v in stats.items() if k not in ("embedded", "resumed")}}
+    timings["total"] = time.perf_counter() - t_start
+    result = IndexResult(
+        index_dir=str(layout.root), generation=manifest.generation, published=True, count=manifest.count,
+        added=counts["added"], updated=counts["updated"], removed=counts["removed"], unchanged=run.plan.unchanged,
+        duplicates=manifest.duplicates, embedded=stats.get("embedded", 0), resumed=stats.get("resumed", 0),
+        skipped=skipped_list, factory=manifest.factory, recall_at_10=manifest.recall_at_10,
+        search_params=manifest.search_params, timings=timings, report_path=str(layout.report),
+        mode=mode or ("build" if run.base is None else "update"), world_size=run.world.world_size,
+        delta_count=manifest.delta_count, removed_count=manifest.removed_count)
     write_json_atomic(layout.report, asdict(result))
-    link_or_copy_atomic(layout.report, layout.generation(name).report)
+    link_or_copy_atomic(layout.report, layout.generation(manifest.generation).report)
     return result
 
 
-def _plan(entries: list[ScanEntry], store: MetadataStore | None) -> _Plan:
-    """Split the scanned files into unchanged, to-embed (new or changed) and removed, against ``store``."""
-    if store is None:
-        return _Plan(todo=list(entries), changed_ids={}, removed_ids=[], unchanged=0, skipped={})
-    live = dict(store.iter_ids_with_paths())
-    old_skipped = store.skipped()
-    todo, changed, unchanged, skipped = [], {}, 0, {}
-    records = dict(zip(live.keys(), store.records(list(live.values()))))
-    for e in entries:
-        rec = records.get(e.path)
-        if rec is not None and rec["bytes"] == e.bytes and rec["mtime_ns"] == e.mtime_ns and rec["label"] == e.label:
-            unchanged += 1
-            continue
-        was_skipped = old_skipped.get(e.path)
-        if rec is None and was_skipped and was_skipped["bytes"] == e.bytes and was_skipped["mtime_ns"] == e.mtime_ns:
-            skipped[e.path] = was_skipped  # still the same unreadable file: not read again
-            continue
-        if rec is not None:
-            changed[e.path] = rec["id"]
-        todo.append(e)
-    present = {e.path for e in entries}
-    removed = sorted(i for p, i in live.items() if p not in present)
-    return _Plan(todo=todo, changed_ids=changed, removed_ids=removed, unchanged=unchanged, skipped=skipped)
-
-
-def _embed(cfg: IndexConfig, encoder: OnnxEncoder, image_root: Path, todo: list[ScanEntry],
-           shards: WorkShards) -> dict:
-    """Embed every file of ``todo`` no finished shard holds; returns counts and where the time went."""
-    from tqdm import tqdm
-
-    pending = [e for e in todo if shards.lookup(e.path, e.bytes, e.mtime_ns) is None]
-    resumed = len(todo) - len(pending)
-    stats = {"embedded": len(pending), "resumed": resumed, "embed": 0.0, "decode_wait": 0.0, "encoder": 0.0,
-             "decode_cpu": 0.0}
-    if not pending:
-        return stats
-    by_path = {e.path: e for e in pending}
-    bar = tqdm(total=len(todo), initial=resumed, unit="img", desc="embedding", disable=not cfg.progress,
-               dynamic_ncols=True, smoothing=0.1)
-    batch: list = []
-
-    def run_batch() -> None:
-        tic = time.perf_counter()
-        vectors = encoder.embed(np.stack([d.pixels for d in batch]))
-        stats["encoder"] += time.perf_counter() - tic
-        for d, v in zip(batch, vectors):
-            shards.add(_entry(by_path[d.path], d), v)
-        bar.update(len(batch))
-        batch.clear()
-
-    tic_all = time.perf_counter()
-    stream = decode_files(image_root, [e.path for e in pending], encoder.image_size, encoder.resize, cfg.workers)
-    try:
-        while True:
-            tic = time.perf_counter()
-            try:
-                d = next(stream)
-            except StopIteration:
-                break
-            finally:
-                stats["decode_wait"] += time.perf_counter() - tic
-            stats["decode_cpu"] += d.seconds
-            if d.pixels is None:
-                LOG.warning("skipping %s: %s", d.path, d.error)
-                shards.add(_entry(by_path[d.path], d), None)
-                bar.update(1)
-                continue
-            batch.append(d)
-            if len(batch) >= cfg.batch_size:
-                run_batch()
-        if batch:
-            run_batch()
-    finally:
-        stream.close()
-        shards.flush()  # keep finished work on Ctrl-C too
-        bar.close()
-    stats["embed"] = time.perf_counter() - tic_all
-    return stats
-
-
-def _entry(e: ScanEntry, d) -> dict:
-    return {"path": e.path, "stat_bytes": e.bytes, "mtime_ns": e.mtime_ns, "sha256": d.sha256, "width": d.width,
-            "height": d.height, "bytes": d.bytes, "error": d.error}
-
-
-def _copy_encoder(src: Path, dst: Path, same_in_previous: Path | None) -> None:
+def _copy_encoder(run: _Run, staging: GenerationPaths) -> None:
     """Copy the encoder into the generation; a hard link to the previous generation's copy when it is the same
     model (generations are immutable, so they can share the file)."""
-    link_or_copy_atomic(same_in_previous if same_in_previous is not None and same_in_previous.is_file() else src, dst)
+    prev = run.prev_manifest
+    same = prev is not None and prev.model_sha256 == run.encoder.sha256
+    previous = run.layout.generation(run.layout.current()).encoder if same and run.layout.current() else None
+    link_or_copy_atomic(previous if previous is not None and previous.is_file() else run.encoder.path,
+                        staging.encoder)
 
 
-def _model_summary(encoder: OnnxEncoder) -> dict:
+def _model_summary(encoder) -> dict:
     keys = ("arch", "moco_version", "image_size", "embedding_dim", "resize", "run_id", "format_version")
     return {k: encoder.metadata[k] for k in keys if k in encoder.metadata}
 

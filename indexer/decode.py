@@ -1,9 +1,9 @@
 """Reading, hashing, decoding and resizing image files in worker processes, in input order.
 
 Each file is read once (:func:`contracts.images.read_image_bytes`: regular files only, never blocking): its
-bytes give the sha256 and are decoded with :func:`contracts.images.decode_image` and the encoder's resize
-policy (:func:`contracts.encoder_format.preprocess_image`), the server's preprocessing, so index and query
-embed alike.
+bytes give the sha256 and are decoded with :func:`contracts.images.decode_image` (told the encoder's size, so
+a JPEG is decoded reduced) and the encoder's resize policy (:func:`contracts.encoder_format.preprocess_image`),
+the server's preprocessing exactly, so index and query embed alike.
 Workers never hold an ONNX Runtime session; they return uint8 ``[H, W, 3]`` arrays to the parent, which
 batches them for the encoder. Unreadable files come back with a one-line reason instead of pixels.
 """
@@ -48,9 +48,10 @@ def decode_file(task: tuple[str, str, int, str]) -> Decoded:
     try:
         data = read_image_bytes(absolute)
         sha256 = hashlib.sha256(data).hexdigest()
-        image = decode_image(data)
+        image = decode_image(data, target_size=image_size)  # reduced while decoding where the format allows it
         pixels = preprocess_image(image, image_size, resize)
-        return Decoded(rel, pixels, image.width, image.height, len(data), sha256, None, time.perf_counter() - tic)
+        width, height = image.info["source_size"]
+        return Decoded(rel, pixels, width, height, len(data), sha256, None, time.perf_counter() - tic)
     except DataError as exc:
         reason = str(exc).replace("image data: ", "")
     except Exception as exc:  # a decoder bug on a hostile file must not stop a 10-million-file run

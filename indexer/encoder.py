@@ -71,7 +71,7 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
-def _session_options(threads: int, quiet: bool):
+def _session_options(threads: int, quiet: bool, spin: bool = True):
     import onnxruntime as ort
 
     options = ort.SessionOptions()
@@ -81,15 +81,20 @@ def _session_options(threads: int, quiet: bool):
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     # 3 = errors only; 4 = fatal only, used when probing for a GPU that is allowed to be absent.
     options.log_severity_level = 4 if quiet else 3
+    # Spinning: intra-op threads busy-wait for the next piece of work instead of sleeping. Right for a run
+    # that keeps the encoder busy (indexing); a server between requests burns the cores its HTTP work needs.
+    options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
     return options
 
 
-def open_session(model: str | os.PathLike | bytes, device: str = "auto", threads: int | None = None):
+def open_session(model: str | os.PathLike | bytes, device: str = "auto", threads: int | None = None,
+                 spin: bool = True):
     """An ONNX Runtime session on the GPU when one really works, else on the CPU.
 
     ``auto`` tries the CUDA execution provider when this onnxruntime build has it and keeps it only if the
     created session actually runs on it (the provider list alone says nothing about drivers or devices);
-    otherwise a CPU session with ``threads`` intra-op threads (default: the usable cores).
+    otherwise a CPU session with ``threads`` intra-op threads (default: the usable cores), which busy-wait
+    between pieces of work when ``spin`` (fast for back-to-back batches, wasteful when work comes and goes).
 
     Returns:
         ``(session, provider)`` with provider ``"CUDAExecutionProvider"`` or ``"CPUExecutionProvider"``.
@@ -115,7 +120,7 @@ def open_session(model: str | os.PathLike | bytes, device: str = "auto", threads
             if quiet:  # hack: the provider loader logs through the global logger, not the session's
                 ort.set_default_logger_severity(4)
             try:
-                session = ort.InferenceSession(model_arg, _session_options(cpu_threads, quiet=quiet),
+                session = ort.InferenceSession(model_arg, _session_options(cpu_threads, quiet, spin),
                                                providers=[("CUDAExecutionProvider", {"device_id": device_id}),
                                                           "CPUExecutionProvider"])
                 if session.get_providers()[0] == "CUDAExecutionProvider":
@@ -129,7 +134,7 @@ def open_session(model: str | os.PathLike | bytes, device: str = "auto", threads
         if device == "cuda":
             raise ConfigError(f"--device cuda: {reason}; use --device cpu or auto")
         LOG.debug("encoder on CPU: %s", reason)
-    session = ort.InferenceSession(model_arg, _session_options(cpu_threads, quiet=False),
+    session = ort.InferenceSession(model_arg, _session_options(cpu_threads, False, spin),
                                    providers=["CPUExecutionProvider"])
     return session, "CPUExecutionProvider"
 
@@ -143,8 +148,10 @@ class OnnxEncoder:
         provider: ``"CUDAExecutionProvider"`` or ``"CPUExecutionProvider"``.
     """
 
-    def __init__(self, path: str | os.PathLike, device: str = "auto", threads: int | None = None):
-        """Open ``path`` on ``device`` (auto, cpu, cuda or cuda:N) with ``threads`` CPU threads (default: cores).
+    def __init__(self, path: str | os.PathLike, device: str = "auto", threads: int | None = None,
+                 spin: bool = True):
+        """Open ``path`` on ``device`` (auto, cpu, cuda or cuda:N) with ``threads`` CPU threads (default: cores),
+        spin-waiting between runs when ``spin`` (see :func:`open_session`).
 
         Raises:
             ArtifactError: missing file, not ONNX, or not an encoder written by ``moco export``.
@@ -159,7 +166,7 @@ class OnnxEncoder:
         self.image_size = self.metadata["image_size"]
         self.embedding_dim = self.metadata["embedding_dim"]
         self.resize = self.metadata["resize"]
-        self.session, self.provider = open_session(data, device, threads)
+        self.session, self.provider = open_session(data, device, threads, spin)
         inputs, outputs = self.session.get_inputs(), self.session.get_outputs()
         if [i.name for i in inputs] != [INPUT_NAME] or OUTPUT_NAME not in [o.name for o in outputs]:
             raise ArtifactError(f"{self.path} does not have the encoder's '{INPUT_NAME}' -> '{OUTPUT_NAME}' "
@@ -174,7 +181,7 @@ class OnnxEncoder:
     def preprocess(self, image: Image.Image | str | os.PathLike | bytes) -> np.ndarray:
         """One image (PIL, path or bytes) as uint8 ``[H, W, 3]`` per this model's metadata."""
         if not isinstance(image, Image.Image):
-            image = decode_image(image)
+            image = decode_image(image, target_size=self.image_size)
         return preprocess_image(image, self.image_size, self.resize)
 
     def embed(self, batch: np.ndarray) -> np.ndarray:

@@ -4,17 +4,22 @@ Vectors arrive as a *block source*: a callable returning a fresh iterator of ``(
 ``[n]`` and float32 ``[n, d]``, so nothing here needs all vectors in memory at once (IVF trains on a sample,
 every index is filled block by block, ground truth is computed block by block).
 
-``auto`` picks by corpus size ``n`` and memory:
+``auto`` picks by corpus size ``n`` and the memory budget (``--max-index-memory``, default half the RAM),
+each with 50% headroom:
 
-    n < 100,000                      Flat     exact inner product
-    n < 1,000,000                    HNSW32   graph; efSearch tuned
-    fits in memory                   IVF{4*sqrt(n)},Flat         nprobe tuned
-    does not fit comfortably         IVF{4*sqrt(n)},PQ{d/8}np    64 bytes/vector at d=512; nprobe tuned
+    n < 100,000 and raw vectors fit         Flat     exact inner product
+    n < 1,000,000 and the graph fits        HNSW32   graph; efSearch tuned
+    raw vectors fit                         IVF{4*sqrt(n)},Flat          nprobe tuned
+    otherwise                               IVF{4*sqrt(n)},PQ{d/8}np     64 bytes/vector at d=512; nprobe tuned,
+                                            re-ranked with the stored float16 vectors
+    ... and the PQ codes do not fit either  the same, inverted lists on disk (``vectors.ivfdata``), built in
+                                            shards of 1M vectors and merged with FAISS's ``merge_ondisk``
 
 Indexes without native ids (Flat, HNSW) are wrapped in ``IDMap2``. IVF is trained (and filled) on the GPU
-when FAISS sees one, then copied back: the stored index is always a CPU index. For every approximate index
-the search parameter (nprobe / efSearch) is raised until recall@10 against exact search on a sample of
-queries reaches ``target_recall``; the final recall is returned for the manifest.
+when FAISS sees one (:mod:`indexer.faiss_gpu`), then copied back: the stored index is always a CPU index.
+For every approximate index the search parameter (nprobe / efSearch) is raised until recall@10 against
+exact search on a sample of queries reaches ``target_recall``; the final recall is returned for the manifest.
+The trained, still empty IVF index is kept too, so later updates grow a delta with the same lists.
 """
 from __future__ import annotations
 
@@ -22,12 +27,15 @@ import logging
 import math
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Iterator
 
 import faiss
 import numpy as np
 
 from contracts.errors import ConfigError, IndexBuildError, OutputError
+from indexer import faiss_gpu
+from indexer.searcher import LayeredIndex
 
 LOG = logging.getLogger(__name__)
 
@@ -40,6 +48,12 @@ RECALL_QUERIES = 256
 RECALL_K = 10
 PLATEAU = 0.002  # stop raising nprobe/efSearch when recall@10 improves by less than this
 EXACT_CHUNK = 65_536  # database rows per matrix product in exact search
+HEADROOM = 1.5  # an index "fits" a memory budget when its size times this does
+# IVF-PQ: candidates re-ranked with the stored vectors, per neighbour asked for: the smallest factor that reaches
+# the target recall. Measured at 1M x 512 (IVF1024,PQ64): 10 candidates per neighbour stopped at recall@10 0.66,
+# since a list holds ~1,000 vectors that PQ codes cannot tell apart; at 100k 10 were enough (0.995).
+REFINE_LADDER = (10, 30, 100, 300)
+ONDISK_PART_ROWS = 1_000_000  # vectors per shard of an on-disk IVF-PQ build (each one a small in-RAM index)
 
 BlockSource = Callable[[], Iterator[tuple[np.ndarray, np.ndarray]]]
 
@@ -55,6 +69,8 @@ class BuiltIndex:
     exact: bool = False
     trained_on: int = 0
     on_gpu: bool = False
+    on_disk: bool = False  # inverted lists in a .ivfdata file beside the index
+    trained: np.ndarray | None = None  # the trained, empty index, serialized (IVF only): deltas grow from it
 
 
 def memory_bytes() -> int:
@@ -78,26 +94,63 @@ def _pq_m(d: int) -> int:
     return 1
 
 
-def choose_factory(index_type: str, n: int, d: int, memory: int | None = None) -> str:
-    """The FAISS factory string for ``index_type`` over ``n`` vectors of dimension ``d``.
+@dataclass(frozen=True)
+class IndexChoice:
+    """What ``auto`` (or an explicit type) chose: the factory string, and whether the lists live on disk."""
+
+    factory: str
+    on_disk: bool = False
+
+
+def serving_bytes(factory: str, n: int, d: int) -> int:
+    """Estimated RAM of a filled index of ``factory`` (in-memory lists) over ``n`` vectors."""
+    kind = index_kind(factory)
+    if kind == "hnsw":
+        return n * (4 * d + 2 * HNSW_M * 4 + 8)
+    if kind == "ivfpq":
+        m = int(factory.split(",PQ")[1].split("x")[0].rstrip("np"))
+        return n * (m + 8) + ivf_nlist(factory) * d * 4
+    return n * (4 * d + 8)
+
+
+def choose_index(index_type: str, n: int, d: int, memory: int | None = None, budget: int | None = None
+                 ) -> IndexChoice:
+    """The index for ``index_type`` over ``n`` vectors of dimension ``d`` under a memory budget.
 
     Args:
         index_type: ``auto``, ``flat``, ``hnsw``, ``ivf``, ``ivfpq`` or any FAISS factory string.
-        memory: bytes of RAM to plan for (default: this machine's).
+        memory: bytes of RAM of the machine (default: this machine's); the budget defaults to half of it.
+        budget: bytes the index may take in RAM (``--max-index-memory``); an IVF-PQ index larger than this
+            keeps its inverted lists on disk.
 
     Raises:
         ConfigError: a factory string FAISS does not understand.
     """
+    memory = memory_bytes() if memory is None else memory
+    budget = memory // 2 if budget is None else budget
+
+    def fits(factory: str) -> bool:
+        return serving_bytes(factory, n, d) * HEADROOM <= budget
+
     if index_type == "auto":
-        memory = memory_bytes() if memory is None else memory
-        if n < FLAT_MAX:
+        if n < FLAT_MAX and fits(_factory("flat", n, d)):
             index_type = "flat"
-        elif n * d * 4 * 1.5 > memory / 2:  # raw float32 vectors + headroom would take over half the RAM
-            index_type = "ivfpq"
-        elif n < HNSW_MAX:
+        elif n < HNSW_MAX and fits(_factory("hnsw", n, d)):
             index_type = "hnsw"
-        else:
+        elif fits(_factory("ivf", n, d)):
             index_type = "ivf"
+        else:
+            index_type = "ivfpq"
+    factory = _factory(index_type, n, d)
+    return IndexChoice(factory, on_disk=index_kind(factory) == "ivfpq" and not fits(factory))
+
+
+def choose_factory(index_type: str, n: int, d: int, memory: int | None = None, budget: int | None = None) -> str:
+    """The FAISS factory string of :func:`choose_index`."""
+    return choose_index(index_type, n, d, memory, budget).factory
+
+
+def _factory(index_type: str, n: int, d: int) -> str:
     if index_type == "flat":
         return "IDMap2,Flat"
     if index_type == "hnsw":
@@ -115,6 +168,41 @@ def choose_factory(index_type: str, n: int, d: int, memory: int | None = None) -
     if faiss.try_extract_index_ivf(probe) is None and not isinstance(probe, (faiss.IndexIDMap, faiss.IndexIDMap2)):
         return f"IDMap2,{index_type}"
     return index_type
+
+
+def index_kind(factory: str) -> str:
+    """``flat``, ``hnsw``, ``ivf``, ``ivfpq`` for the factories :func:`choose_index` makes, else ``custom``."""
+    if factory == "IDMap2,Flat":
+        return "flat"
+    if factory.startswith("IDMap2,HNSW") and factory[11:].isdigit():
+        return "hnsw"
+    parts = factory.split(",")
+    if len(parts) == 2 and parts[0].startswith("IVF") and parts[0][3:].isdigit():
+        if parts[1] == "Flat":
+            return "ivf"
+        if parts[1].startswith("PQ"):
+            return "ivfpq"
+    return "custom"
+
+
+def ivf_nlist(factory: str) -> int:
+    return int(factory.split(",")[0][3:])
+
+
+def same_structure(built: str, wanted: str) -> bool:
+    """True when an index built as ``built`` can keep serving where ``wanted`` is chosen now: the same kind
+    (and codec: Flat, or PQ with as many sub-quantizers), and for IVF a list count within a factor of 2 of the
+    wanted one (4 sqrt(n) moves with every update; retraining is worth it only when it moved a lot)."""
+    kind = index_kind(built)
+    if kind != index_kind(wanted):
+        return False
+    if kind in ("ivf", "ivfpq"):
+        ratio = ivf_nlist(built) / max(1, ivf_nlist(wanted))
+        codec = [f.split(",")[1].split("x")[0] for f in (built, wanted)]  # PQ bits also move with small n
+        return 0.5 <= ratio <= 2 and codec[0] == codec[1]
+    if kind == "custom":
+        return built == wanted or built == f"IDMap2,{wanted}"
+    return built == wanted
 
 
 def _sample(blocks: BlockSource, n: int, size: int, seed: int = 0) -> np.ndarray:
@@ -178,30 +266,31 @@ def _search_param_ladder(index: faiss.Index) -> tuple[str, list[int]] | None:
     return None
 
 
-def _gpu_count() -> int:
-    try:
-        return faiss.get_num_gpus()
-    except AttributeError:  # a CPU-only FAISS build
-        return 0
-
-
 def build_index(factory: str, d: int, n: int, blocks: BlockSource, use_gpu: bool | None = None,
                 target_recall: float = TARGET_RECALL, recall_queries: int = RECALL_QUERIES,
-                hnsw_ef_construction: int = 80) -> BuiltIndex:
+                hnsw_ef_construction: int = 80, on_disk: str | os.PathLike | None = None,
+                trained: faiss.Index | None = None, vectors=None, gpus: int | None = None,
+                cloner=None) -> BuiltIndex:
     """Create, train (on a sample), fill and check the index ``factory`` over the ``n`` vectors of ``blocks``.
 
     Args:
-        factory: from :func:`choose_factory`.
+        factory: from :func:`choose_index`.
         d: vector dimension; every block must be ``(ids [m], xb [m, d])``.
         n: total rows over all blocks.
-        use_gpu: build IVF indexes on GPU 0 (default: when FAISS sees a GPU).
+        use_gpu: train and fill IVF indexes on GPU 0 (default: when FAISS sees a GPU).
         target_recall: recall@10 the tuned search parameter must reach (or its largest value).
+        on_disk: IVF only: the ``.ivfdata`` file to keep the inverted lists in; the index is then filled in
+            shards of ``ONDISK_PART_ROWS`` vectors, each written beside it, and merged (``merge_ondisk``).
+        trained: an already trained, empty index of this factory (a compaction keeps the lists it has).
+        vectors: stored vectors by id (``BlockVectors``): IVF-PQ results are re-ranked with them (and tuned so).
+        gpus, cloner: see :func:`indexer.faiss_gpu.clone_for_build` (tests).
 
     Raises:
         IndexBuildError: FAISS failed, or the blocks do not hold ``n`` rows of dimension ``d``.
     """
     try:
-        index = faiss.index_factory(d, factory, faiss.METRIC_INNER_PRODUCT)
+        index = (faiss.deserialize_index(faiss.serialize_index(trained)) if trained is not None
+                 else faiss.index_factory(d, factory, faiss.METRIC_INNER_PRODUCT))
     except RuntimeError as exc:
         raise IndexBuildError(f"FAISS cannot create {factory!r}: {str(exc).splitlines()[-1]}") from exc
     inner = faiss.downcast_index(index.index) if isinstance(index, faiss.IndexIDMap) else index
@@ -211,50 +300,104 @@ def build_index(factory: str, d: int, n: int, blocks: BlockSource, use_gpu: bool
     if n == 0:
         return result
     ivf = faiss.try_extract_index_ivf(index)
-    use_gpu = (_gpu_count() > 0) if use_gpu is None else use_gpu
-    work = index
-    if ivf is not None and use_gpu:
-        work = _to_gpu(index)
-        result.on_gpu = work is not index
+    if on_disk is not None and ivf is None:
+        raise IndexBuildError(f"only IVF indexes keep their lists on disk, not {factory!r}")
+    gpus = faiss_gpu.gpu_count() if gpus is None else gpus
+    use_gpu = (gpus > 0) if use_gpu is None else use_gpu
     try:
         if not index.is_trained:
             pq = "PQ" in factory
             size = min(n, max(100 * (ivf.nlist if ivf is not None else 1), 100_000 if pq else 10_000))
             xt = _sample(blocks, n, size)
-            LOG.info("training %s on %d of %d vectors%s", factory, len(xt), n, " on GPU" if result.on_gpu else "")
+            work, on_gpu = faiss_gpu.clone_for_build(index, gpus, cloner) if use_gpu else (index, False)
+            LOG.info("training %s on %d of %d vectors%s", factory, len(xt), n, " on GPU" if on_gpu else "")
             work.train(xt)
+            if on_gpu:
+                index = faiss_gpu.to_cpu(work)
+                result.on_gpu = True
             result.trained_on = len(xt)
-        added = 0
-        for ids, xb in blocks():
-            xb = np.ascontiguousarray(xb, dtype=np.float32)
-            if xb.ndim != 2 or xb.shape[1] != d:
-                raise IndexBuildError(f"vector block of shape {xb.shape} does not have dimension {d}")
-            work.add_with_ids(xb, np.ascontiguousarray(ids, dtype=np.int64))
-            added += len(xb)
-        if added != n:
-            raise IndexBuildError(f"expected {n} vectors, the blocks held {added}; rerun `moco index`")
-        if result.on_gpu:
-            index = faiss.index_gpu_to_cpu(work)
-            result.index = index
+            del xt
+        if ivf is not None:
+            result.trained = faiss.serialize_index(index)
+        if on_disk is not None:
+            index = _fill_on_disk(index, blocks, n, d, Path(on_disk), use_gpu, gpus, cloner, result)
+            result.on_disk = True
+        else:
+            work, on_gpu = (faiss_gpu.clone_for_build(index, gpus, cloner) if use_gpu and ivf is not None
+                            else (index, False))
+            added = _add_blocks(work, blocks, d)
+            if added != n:
+                raise IndexBuildError(f"expected {n} vectors, the blocks held {added}; rerun `moco index`")
+            if on_gpu:
+                index = faiss_gpu.to_cpu(work)
+                result.on_gpu = True
+        result.index = index
     except RuntimeError as exc:
         raise IndexBuildError(f"FAISS failed building {factory!r}: {str(exc).splitlines()[-1]}") from exc
-    _tune(result, blocks, n, target_recall, recall_queries)
+    _tune(result, blocks, n, target_recall, recall_queries, vectors if "PQ" in factory else None)
     return result
 
 
-def _to_gpu(index: faiss.Index) -> faiss.Index:
-    """The index cloned to GPU 0, or the CPU index itself when this FAISS/GPU cannot host it."""
+def _add_blocks(index: faiss.Index, blocks: BlockSource, d: int) -> int:
+    added = 0
+    for ids, xb in blocks():
+        xb = np.ascontiguousarray(xb, dtype=np.float32)
+        if xb.ndim != 2 or xb.shape[1] != d:
+            raise IndexBuildError(f"vector block of shape {xb.shape} does not have dimension {d}")
+        index.add_with_ids(xb, np.ascontiguousarray(ids, dtype=np.int64))
+        added += len(xb)
+    return added
+
+
+def _fill_on_disk(trained: faiss.Index, blocks: BlockSource, n: int, d: int, lists: Path, use_gpu: bool,
+                  gpus: int, cloner, result: BuiltIndex) -> faiss.Index:
+    """Fill copies of the trained index with ``ONDISK_PART_ROWS`` vectors each (in RAM: codes only), write
+    each beside ``lists``, then merge their inverted lists into ``lists`` (FAISS's ``merge_ondisk``)."""
+    from faiss.contrib.ondisk import merge_ondisk
+
+    parts: list[str] = []
+    empty = faiss.serialize_index(trained)
+
+    def flush(buffer: list[tuple[np.ndarray, np.ndarray]]) -> None:
+        part = faiss.deserialize_index(empty)
+        work, on_gpu = faiss_gpu.clone_for_build(part, gpus, cloner) if use_gpu else (part, False)
+        _add_blocks(work, lambda: iter(buffer), d)
+        if on_gpu:
+            part = faiss_gpu.to_cpu(work)
+            result.on_gpu = True
+        path = lists.parent / f".part-{len(parts):05d}.faiss"
+        write_index(part, str(path))
+        parts.append(str(path))
+        buffer.clear()
+
     try:
-        options = faiss.GpuClonerOptions()
-        options.useFloat16 = True  # IVF-PQ lookup tables with many sub-quantizers need it
-        return faiss.index_cpu_to_gpu(faiss.StandardGpuResources(), 0, index, options)
-    except (RuntimeError, AttributeError) as exc:
-        LOG.warning("building on CPU: the GPU cannot host this index (%s)", str(exc).splitlines()[-1])
-        return index
+        buffer, rows, added = [], 0, 0
+        for ids, xb in blocks():
+            buffer.append((np.asarray(ids, dtype=np.int64), np.ascontiguousarray(xb, dtype=np.float32)))
+            rows += len(ids)
+            added += len(ids)
+            if rows >= ONDISK_PART_ROWS:
+                flush(buffer)
+                rows = 0
+        if buffer:
+            flush(buffer)
+        if added != n:
+            raise IndexBuildError(f"expected {n} vectors, the blocks held {added}; rerun `moco index`")
+        index = faiss.deserialize_index(empty)
+        LOG.info("merging %d shards of inverted lists into %s", len(parts), lists)
+        merge_ondisk(index, parts, str(lists))
+    finally:
+        for part in parts:
+            Path(part).unlink(missing_ok=True)
+    return index
 
 
-def _tune(result: BuiltIndex, blocks: BlockSource, n: int, target_recall: float, recall_queries: int) -> None:
-    """Measure recall@10 against exact search; raise nprobe/efSearch until it reaches ``target_recall``."""
+def _tune(result: BuiltIndex, blocks: BlockSource, n: int, target_recall: float, recall_queries: int,
+          vectors=None) -> None:
+    """Measure recall@10 against exact search; raise nprobe/efSearch until it reaches ``target_recall``.
+
+    With ``vectors`` (IVF-PQ), results are re-ranked with them (``refine``) as the server re-ranks them.
+    """
     ladder = _search_param_ladder(result.index)
     if ladder is None and "Flat" in result.factory and "IVF" not in result.factory and "HNSW" not in result.factory:
         result.exact, result.recall_at_10 = True, 1.0
@@ -266,22 +409,39 @@ def _tune(result: BuiltIndex, blocks: BlockSource, n: int, target_recall: float,
         result.recall_at_10 = recall_at_k(result.index.search(xq, k)[1], I_ref)
         return
     name, values = ladder
+    best = None  # (recall, params)
+    for refine in (REFINE_LADDER if vectors is not None else (0,)):
+        params, recall = _climb(result.index, name, values, xq, I_ref, k, target_recall,
+                                {"refine": refine} if refine else {}, vectors)
+        if best is None or recall > best[0] + PLATEAU:
+            best = (recall, params)
+        if recall >= target_recall:
+            break
+    recall, params = best
+    _set_param(result.index, name, params[name])
+    result.search_params = params
+    result.recall_at_10 = recall
+    LOG.info("%s: recall@%d %.4f at %s over %d queries", result.factory, k, recall,
+             ", ".join(f"{a}={b}" for a, b in result.search_params.items()), len(xq))
+
+
+def _climb(index: faiss.Index, name: str, values: list[int], xq: np.ndarray, I_ref: np.ndarray, k: int,
+           target_recall: float, extra: dict, vectors) -> tuple[dict, float]:
+    """Raise ``name`` along ``values`` until recall@k reaches the target or stops improving (a plateau:
+    compressed vectors cap it; the cheaper setting is kept). Returns ``(params, recall)``."""
     previous = None  # (value, recall) of the step before
     for value in values:
-        _set_param(result.index, name, value)
-        recall = recall_at_k(result.index.search(xq, k)[1], I_ref)
-        LOG.debug("%s=%d: recall@%d %.4f", name, value, k, recall)
+        _set_param(index, name, value)
+        searcher = LayeredIndex(index, params={name: value, **extra}, vectors=vectors)
+        recall = recall_at_k(searcher.search(xq, k)[1], I_ref)
+        LOG.debug("%s=%d %s: recall@%d %.4f", name, value, extra, k, recall)
         if previous is not None and recall < previous[1] + PLATEAU:
-            # a plateau (compressed vectors cap the recall): keep the cheaper setting
             value, recall = previous
-            _set_param(result.index, name, value)
             break
         if recall >= target_recall or value == values[-1]:
             break
         previous = (value, recall)
-    result.search_params = {name: value}
-    result.recall_at_10 = recall
-    LOG.info("%s: recall@%d %.4f at %s=%d over %d queries", result.factory, k, recall, name, value, len(xq))
+    return {name: value, **extra}, recall
 
 
 def write_index(index: faiss.Index, path: str) -> None:
@@ -297,7 +457,32 @@ def write_index(index: faiss.Index, path: str) -> None:
                           "check free space and permissions, then rerun") from exc
 
 
-def read_index(path: str, mmap: bool = False) -> faiss.Index:
-    """Read a stored index (``mmap`` maps IVF lists / flat codes instead of loading them)."""
-    flags = faiss.IO_FLAG_MMAP | faiss.IO_FLAG_READ_ONLY if mmap else 0
-    return faiss.read_index(path, flags)
+def read_flags(factory: str, on_disk: bool = False, mmap: bool = True) -> int:
+    """FAISS read flags for a stored index of ``factory``: on-disk lists are found beside the file; with
+    ``mmap``, IVF lists (``IO_FLAG_MMAP``) or flat codes / HNSW storage (``IO_FLAG_MMAP_IFC``) are mapped
+    read-only from the file instead of copied into memory, so processes serving one file share its pages.
+    """
+    if on_disk:
+        return faiss.IO_FLAG_ONDISK_SAME_DIR | faiss.IO_FLAG_READ_ONLY
+    if not mmap:
+        return 0
+    if "IVF" in factory:  # the two flags do not combine: IVF lists are mapped by IO_FLAG_MMAP's reader hook
+        return faiss.IO_FLAG_MMAP | faiss.IO_FLAG_READ_ONLY
+    return faiss.IO_FLAG_MMAP_IFC | faiss.IO_FLAG_READ_ONLY
+
+
+def read_index(path: str | os.PathLike, factory: str | None = None, on_disk: bool = False,
+               mmap: bool = True) -> faiss.Index:
+    """Read a stored index, memory-mapped where its type allows (see :func:`read_flags`).
+
+    Raises:
+        ArtifactError: an unreadable file.
+    """
+    from contracts.errors import ArtifactError
+
+    flags = read_flags(factory, on_disk, mmap) if factory is not None else 0
+    try:
+        return faiss.read_index(str(path), flags)
+    except RuntimeError as exc:
+        raise ArtifactError(f"unreadable FAISS index {path} ({str(exc).splitlines()[-1].strip()}); rebuild with "
+                            "`moco index --rebuild`") from exc

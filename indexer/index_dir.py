@@ -3,8 +3,14 @@
 The server opens an :class:`IndexDirectory`, polls :func:`current_generation` (one small file read) and opens
 a new one when it changes. A view stays valid while the next generation is published (the previous
 generation is kept until the publish after that, and open files survive deletion on POSIX anyway).
-Reads are lock-free and safe from any thread: each call uses its own LMDB read transaction on a store that
+Reads are lock-free and safe from any thread: each call uses its own LMDB read transaction on stores that
 no writer ever touches again.
+
+The FAISS base is memory-mapped where its type allows (IVF lists, flat codes, HNSW storage; on-disk IVF-PQ
+lists always are), so every process serving the same generation shares one copy of its pages in the page
+cache instead of holding its own: ``moco serve --workers N`` costs little more memory than one worker.
+With ``faiss_gpu`` (``auto``, ``one``, ``all``) Flat and IVF bases are also copied to the GPU for search
+(:mod:`indexer.faiss_gpu`).
 """
 from __future__ import annotations
 
@@ -13,11 +19,16 @@ import os
 from pathlib import Path
 
 import faiss
+import numpy as np
 
 from contracts.errors import ArtifactError
+from indexer import faiss_gpu
+from indexer.faiss_index import read_index
 from indexer.layout import IndexLayout, current_generation
 from indexer.manifest import IndexManifest
 from indexer.metadata import MetadataStore
+from indexer.searcher import LayeredIndex, open_vectors_lazily
+from indexer.vectors import BlockVectors
 
 LOG = logging.getLogger(__name__)
 
@@ -30,35 +41,49 @@ class IndexDirectory:
     Attributes:
         path: the index directory; generation: the generation's name; generation_path: its folder.
         manifest: the generation's :class:`~indexer.manifest.IndexManifest`.
-        index: CPU FAISS index with explicit int64 ids (inner product on L2-normalized vectors), its
-            search parameter (nprobe / efSearch) already set to the tuned value.
+        index: a :class:`~indexer.searcher.LayeredIndex` (base - removed + delta) with FAISS's ``search``,
+            ``reconstruct``, ``ntotal`` and ``d``: explicit int64 ids, inner product on L2-normalized vectors,
+            the tuned search parameters (nprobe / efSearch / refine) applied.
         encoder_path: the copy of ``encoder.onnx`` the vectors were made with.
     """
 
-    def __init__(self, path: Path, generation: str):
+    def __init__(self, path: Path, generation: str, mmap: bool = True, faiss_gpu_mode: str = "none"):
         self.path = Path(path)
         self.generation = generation
-        gen = IndexLayout(self.path).generation(generation)
+        layout = IndexLayout(self.path)
+        gen = layout.generation(generation)
         self.generation_path = gen.root
         if not gen.root.is_dir():
             raise ArtifactError(f"{self.path}: generation {generation} is missing; rebuild with `moco index --rebuild`")
-        self.manifest = IndexManifest.read(gen.manifest)
-        try:
-            self.index = faiss.read_index(str(gen.index))
-        except RuntimeError as exc:
-            raise ArtifactError(f"unreadable FAISS index {gen.index}; rebuild with `moco index --rebuild`") from exc
-        if self.index.d != self.manifest.embedding_dim or self.index.ntotal != self.manifest.count:
+        self.manifest = m = IndexManifest.read(gen.manifest)
+        base = read_index(gen.index, m.factory, on_disk=m.on_disk, mmap=mmap)
+        delta = read_index(gen.delta_index, m.factory, mmap=mmap) if gen.delta_index.is_file() else None
+        for part in (base, delta):
+            if part is not None:
+                _apply_search_params(part, m.search_params)
+        removed = np.load(gen.removed) if gen.removed.is_file() else None
+        if "refine" in m.search_params:  # IVF-PQ re-ranks with the stored vectors: open them now
+            vectors = BlockVectors(layout, m.vector_blocks)
+        else:  # only for reconstruct() of index types that cannot; opened if ever needed
+            vectors = open_vectors_lazily(lambda: BlockVectors(layout, m.vector_blocks))
+        gpu = faiss_gpu.gpu_copy_for_search(base, m.search_params, faiss_gpu_mode, m.on_disk)
+        self.index = LayeredIndex(base, delta, removed, m.search_params, vectors=vectors, gpu=gpu)
+        if self.index.d != m.embedding_dim or self.index.ntotal != m.count:
             raise ArtifactError(f"{gen.index} does not match its manifest (dim {self.index.d}, "
                                 f"{self.index.ntotal} vectors); rebuild with `moco index --rebuild`")
         self.encoder_path = gen.encoder
         if not self.encoder_path.is_file():
             raise ArtifactError(f"{self.encoder_path} is missing; rebuild with `moco index --rebuild`")
-        self._store = MetadataStore(gen.meta, readonly=True)
-        self._image_root = Path(self.manifest.image_root)
+        self._store = MetadataStore(gen.meta, delta=gen.delta_meta if gen.delta_meta.is_dir() else None)
+        self._image_root = Path(m.image_root)
 
     @classmethod
-    def open(cls, path: str | os.PathLike) -> "IndexDirectory":
+    def open(cls, path: str | os.PathLike, mmap: bool = True, faiss_gpu_mode: str = "none") -> "IndexDirectory":
         """Open the live generation of the index directory ``path``.
+
+        Args:
+            mmap: map the base index from its file where the type allows (else read it into memory).
+            faiss_gpu_mode: ``none``, ``auto``, ``one`` or ``all`` (see :mod:`indexer.faiss_gpu`).
 
         Raises:
             ArtifactError: missing, not an index directory, or unreadable.
@@ -66,7 +91,7 @@ class IndexDirectory:
         path = Path(path)
         if not path.is_dir():
             raise ArtifactError(f"index directory not found: {path}; build one with `moco index`")
-        return cls(path, current_generation(path))
+        return cls(path, current_generation(path), mmap=mmap, faiss_gpu_mode=faiss_gpu_mode)
 
     def __repr__(self) -> str:
         return (f"IndexDirectory({str(self.path)!r}, generation={self.generation}, count={self.manifest.count}, "
@@ -104,3 +129,14 @@ class IndexDirectory:
 
     def close(self) -> None:
         self._store.close()
+
+
+def _apply_search_params(index: faiss.Index, params: dict) -> None:
+    """Set the tuned nprobe / efSearch on the index object too (for searches without explicit parameters)."""
+    space = faiss.ParameterSpace()
+    for name in ("nprobe", "efSearch"):
+        if name in params:
+            try:
+                space.set_index_parameter(index, name, int(params[name]))
+            except RuntimeError:  # a delta of another type (IDMap2,Flat beside HNSW) has no such parameter
+                pass

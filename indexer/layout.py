@@ -5,21 +5,29 @@ An index directory holds published *generations*; ``CURRENT`` names the live one
     INDEX_DIR/
       CURRENT                      one line, the live generation's name, e.g. "g000003" (replaced atomically)
       generations/g000003/         one immutable, self-sufficient generation (enough to serve on its own)
-        manifest.json              format, model sha256, embedding dim, metric, factory, count, recall@10 ...
-        vectors.faiss              CPU FAISS index, explicit int64 ids (inner product on L2-normalized rows)
-        meta.lmdb/                 id -> record, path -> id, sha256 -> ids, tombstones, skipped files
+        manifest.json              format, model sha256, embedding dim, metric, factory, counts, recall@10 ...
+        vectors.faiss              the *base* FAISS index (CPU, explicit int64 ids, inner product on
+                                   L2-normalized rows), as of the last full build or compaction
+        vectors.ivfdata            its inverted lists, for an IVF-PQ index kept on disk
+        trained.faiss              the trained, empty IVF index (to grow deltas with the same lists)
+        delta.faiss                items added since the base (absent when there are none)
+        removed.npy                sorted int64 base ids removed since the base (absent when none)
+        meta.lmdb/                 the base metadata: id -> record, path -> id, sha256 -> ids, tombstones ...
+        delta.lmdb/                metadata written since the base (absent right after a build/compaction)
         encoder.onnx               the model the vectors were made with
         report.json                what the run that published it did: counts and the skipped files
       report.json                  the same for the last run (also one that published nothing)
-      vectors/g000003.ids.npy      the vectors first embedded by that run: int64 [n] ids and float32 [n, D]
-      vectors/g000003.vec.npy      rows; the index is (re)built from these, so later generations share them
-      work/                        resumable embedding shards of a run in progress (deleted on publish)
+      vectors/g000003.ids.npy      vectors first embedded by that run: int64 [n] ids and [n, D] rows (float32;
+      vectors/g000003.vec.npy      float16 for IVF-PQ); compaction and recall checks read these
+      work/<model>/                resumable embedding shards of a run in progress, per rank (deleted on publish)
       .lock                        held (flock) by the one writer
 
-A generation is written under ``generations/.tmp-*``, renamed into place, then ``CURRENT`` is replaced with
-``os.replace``: a reader sees the old generation or the new one, never a mix. The previous generation is kept
-until the next publish, so readers that opened it stay valid while they swap. ``manifest.json`` is
-:class:`indexer.manifest.IndexManifest`.
+Generations that share a base share its files (``vectors.faiss``, ``vectors.ivfdata``, ``trained.faiss``,
+``meta.lmdb/data.mdb``) as hard links, so an update writes only what changed: the delta files and the
+removed ids. A generation is written under ``generations/.tmp-*``, renamed into place, then ``CURRENT`` is
+replaced with ``os.replace``: a reader sees the old generation or the new one, never a mix. The previous
+generation is kept until the next publish, so readers that opened it stay valid while they swap.
+``manifest.json`` is :class:`indexer.manifest.IndexManifest`.
 """
 from __future__ import annotations
 
@@ -44,7 +52,12 @@ WORK_DIR = "work"
 LOCK_FILE = ".lock"
 MANIFEST_FILE = "manifest.json"
 INDEX_FILE = "vectors.faiss"
+LISTS_FILE = "vectors.ivfdata"   # the name FAISS's on-disk lists are found under (IO_FLAG_ONDISK_SAME_DIR)
+TRAINED_FILE = "trained.faiss"
+DELTA_INDEX_FILE = "delta.faiss"
+REMOVED_FILE = "removed.npy"
 META_DIR = "meta.lmdb"
+DELTA_META_DIR = "delta.lmdb"
 ENCODER_FILE = "encoder.onnx"
 REPORT_FILE = "report.json"
 STAGING_PREFIX = ".tmp-"
@@ -74,8 +87,28 @@ class GenerationPaths:
         return self.root / INDEX_FILE
 
     @property
+    def lists(self) -> Path:
+        return self.root / LISTS_FILE
+
+    @property
+    def trained(self) -> Path:
+        return self.root / TRAINED_FILE
+
+    @property
+    def delta_index(self) -> Path:
+        return self.root / DELTA_INDEX_FILE
+
+    @property
+    def removed(self) -> Path:
+        return self.root / REMOVED_FILE
+
+    @property
     def meta(self) -> Path:
         return self.root / META_DIR
+
+    @property
+    def delta_meta(self) -> Path:
+        return self.root / DELTA_META_DIR
 
     @property
     def encoder(self) -> Path:

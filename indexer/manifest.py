@@ -17,7 +17,7 @@ from contracts.atomic import write_json_atomic
 from contracts.errors import ArtifactError
 
 INDEX_FORMAT = "moco-retrieval/index"
-INDEX_FORMAT_VERSION = 1
+INDEX_FORMAT_VERSION = 2  # 2: base + delta + removed ids (version 1 directories read as base-only)
 
 
 @dataclass
@@ -28,7 +28,7 @@ class IndexManifest:
     model_sha256: str  # sha256 of the encoder.onnx that made the vectors
     embedding_dim: int  # D of every vector
     factory: str  # FAISS factory string of vectors.faiss
-    count: int  # live items (== vectors.faiss ntotal)
+    count: int  # live items (== base_count - removed_count + delta_count)
     next_id: int  # the first id never used (ids are never reused)
     image_root: str  # absolute folder that item paths are relative to
     created_at: str = ""  # ISO 8601 UTC of the first generation of this directory
@@ -48,6 +48,13 @@ class IndexManifest:
     labels: dict = field(default_factory=dict)  # label -> live item count
     labels_csv: str | None = None  # the --labels CSV, when labels came from one
     vector_blocks: list = field(default_factory=list)  # vectors/<name>.{ids,vec}.npy blocks this generation uses
+    block_dtype: str = "float32"  # dtype of the rows of new vector blocks (float16 for IVF-PQ)
+    on_disk: bool = False  # the base's inverted lists are in vectors.ivfdata, read from disk
+    base_count: int | None = None  # vectors in vectors.faiss (None in version 1: count)
+    base_next_id: int | None = None  # ids below this are in the base, the others in the delta (None: next_id)
+    delta_count: int = 0  # vectors in delta.faiss (items added since the base)
+    removed_count: int = 0  # base ids in removed.npy (removed since the base)
+    base_generation: str = ""  # the generation whose build or compaction made the base
     last_update: dict = field(default_factory=dict)  # added, updated, removed, unchanged by the run that made it
     library_versions: dict = field(default_factory=dict)  # faiss, lmdb, onnxruntime, numpy
     format: str = INDEX_FORMAT
@@ -85,10 +92,15 @@ class IndexManifest:
                                 f"moco-retrieval reads ({INDEX_FORMAT_VERSION}); upgrade moco-retrieval")
         known = {f.name for f in dataclasses.fields(cls)}
         try:
-            return cls(**{k: v for k, v in raw.items() if k in known})
+            manifest = cls(**{k: v for k, v in raw.items() if k in known})
         except TypeError as exc:  # a required field is missing
             raise ArtifactError(f"index manifest {path} is incomplete ({exc}); rebuild with `moco index --rebuild`"
                                 ) from exc
+        if manifest.base_count is None:  # version 1: everything is in the base
+            manifest.base_count = manifest.count
+        if manifest.base_next_id is None:
+            manifest.base_next_id = manifest.next_id
+        return manifest
 
     # -- checks -----------------------------------------------------------------------------------------------
     def check_encoder(self, encoder, where: str, remedy: str) -> None:

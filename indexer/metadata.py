@@ -1,22 +1,36 @@
-"""The LMDB metadata store of one generation: the source of truth for ids.
+"""The LMDB metadata of one generation: the source of truth for ids.
 
 Named databases (keys are bytes; ids are 8-byte big-endian so they iterate in id order; values are JSON):
 
     items       id -> record {id, path, label, width, height, bytes, sha256, mtime, mtime_ns, duplicate_of}
-    paths       relative path -> id            (live items only)
+    paths       relative path -> id            (live items only; keys: see path_key)
     sha256      sha256 hex -> [ids]            (live items with that content; the first is the original)
     tombstones  id -> {id, path, sha256, removed_in}   (ids that were live once; never reused)
     skipped     relative path -> {path, bytes, mtime_ns, reason}   (unreadable files, retried when they change)
     info        "next_id" -> int
 
-The writer works on a private copy of the previous generation (see :func:`copy_store`), in transactions; when
-the map is full it doubles the map size and replays the transaction. A published store is never written
-again, so readers open it read-only without the lock file (``lock=False``): they never block a writer and
-any thread may read with its own transaction. Read-only opens of one store within a process share one
-environment (LMDB allows only one per file and process).
+A generation's metadata has one or two layers, each an LMDB environment that is never written again once
+published:
+
+    meta.lmdb/    the *base*: everything, as of the last full build or compaction. Later generations share it
+                  (``data.mdb`` is hard-linked into each generation folder), so an update never copies it.
+    delta.lmdb/   the *delta* (only after incremental updates): every key written since the base, with its new
+                  value, or an empty value for a key deleted since. Copied and extended by each update, so its
+                  size is what changed since the base, not the corpus.
+
+Reads look a key up in the delta first, then in the base; iteration merges both in key order. A reader of a
+generation therefore sees exactly that generation, whatever later generations wrote (they write their own
+delta copies). Compaction (:func:`materialize`) folds a delta into a new base.
+
+The writer works in transactions on a store no reader has opened yet (a fresh base, or the new generation's
+delta copy); when the map is full it doubles the map size and replays the transaction. Readers open stores
+read-only without the lock file (``lock=False``): they never block a writer and any thread may read with its
+own transaction. LMDB allows one environment per file and process, so read-only opens of one file share one
+environment (keyed by device and inode: generations share their base by hard links).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -25,8 +39,10 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 import lmdb
+import numpy as np
 
 from contracts.errors import ArtifactError, IndexBuildError, OutputError
+from contracts.filenames import decode_name, encode_name
 
 LOG = logging.getLogger(__name__)
 
@@ -34,10 +50,22 @@ INITIAL_MAP_SIZE = 64 << 20  # bytes; grows by doubling as needed
 MAX_DBS = 8
 _DBS = (b"items", b"paths", b"sha256", b"tombstones", b"skipped", b"info")
 WRITE_CHUNK = 10_000  # records per transaction when writing many
+DELETED = b""  # a delta value meaning "deleted since the base" (JSON values are never empty)
+DATA_FILE = "data.mdb"
 
 
 def id_key(item_id: int) -> bytes:
     return int(item_id).to_bytes(8, "big", signed=False)
+
+
+MAX_KEY_BYTES = 511  # LMDB's compiled-in key limit (Environment.max_key_size())
+
+
+def path_key(path: str) -> bytes:
+    """The key of a relative path: its file-system bytes (``os.fsencode``: lossless, names that are not UTF-8
+    included); a path longer than LMDB's key limit is keyed by a NUL byte + its sha256 (no path holds a NUL)."""
+    raw = encode_name(path)
+    return raw if len(raw) <= MAX_KEY_BYTES else b"\0" + hashlib.sha256(raw).digest()
 
 
 def _dump(obj) -> bytes:
@@ -48,23 +76,27 @@ def _load(raw: bytes | memoryview | None):
     return None if raw is None else json.loads(bytes(raw))
 
 
-# LMDB allows one environment per file per process: read-only opens of the same store share one, counted.
-_SHARED: dict[str, list] = {}  # real path -> [env, users]
+# LMDB allows one environment per file per process: read-only opens of the same file share one, counted.
+_SHARED: dict[tuple[int, int], list] = {}  # (st_dev, st_ino) of data.mdb -> [env, users]
 _SHARED_LOCK = threading.Lock()
 
 
-def _acquire_readonly(path: Path) -> lmdb.Environment:
-    key = os.path.realpath(path)
+def _file_id(path: Path) -> tuple[int, int]:
+    st = os.stat(path / DATA_FILE)
+    return st.st_dev, st.st_ino
+
+
+def _acquire_readonly(path: Path) -> tuple[lmdb.Environment, tuple[int, int]]:
+    key = _file_id(path)
     with _SHARED_LOCK:
         if key not in _SHARED:
             env = lmdb.open(str(path), readonly=True, lock=False, max_dbs=MAX_DBS, subdir=True, readahead=False)
             _SHARED[key] = [env, 0]
         _SHARED[key][1] += 1
-        return _SHARED[key][0]
+        return _SHARED[key][0], key
 
 
-def _release_readonly(path: Path) -> None:
-    key = os.path.realpath(path)
+def _release_readonly(key: tuple[int, int]) -> None:
     with _SHARED_LOCK:
         entry = _SHARED.get(key)
         if entry is None:
@@ -75,50 +107,149 @@ def _release_readonly(path: Path) -> None:
             del _SHARED[key]
 
 
+def _open_writable(path: Path) -> lmdb.Environment:
+    path.mkdir(parents=True, exist_ok=True)
+    size = max(INITIAL_MAP_SIZE, 2 * _file_size(path / DATA_FILE))
+    return lmdb.open(str(path), map_size=size, max_dbs=MAX_DBS, subdir=True, sync=True, metasync=True,
+                     readahead=False)
+
+
 def copy_store(src: Path, dst: Path) -> None:
-    """Copy a published store to ``dst`` (compacted), to be modified by the next generation's writer."""
-    env = _acquire_readonly(src)
+    """Copy a published store to ``dst`` (compacted): a new generation's delta starts as its predecessor's."""
+    env, key = _acquire_readonly(src)
     try:
         dst.mkdir(parents=True, exist_ok=True)
         env.copy(str(dst), compact=True)
     finally:
-        _release_readonly(src)
+        _release_readonly(key)
+
+
+def link_store(src: Path, dst: Path) -> None:
+    """Make ``dst`` the same store as the published, immutable ``src``: a hard link of its data file (a copy
+    where the filesystem has no hard links)."""
+    import shutil
+
+    dst.mkdir(parents=True, exist_ok=True)
+    try:
+        os.link(src / DATA_FILE, dst / DATA_FILE)
+    except OSError:
+        shutil.copyfile(src / DATA_FILE, dst / DATA_FILE)
+
+
+class _View:
+    """The layers of one transaction: reads merge the delta over the base; writes go to the top layer."""
+
+    def __init__(self, store: "MetadataStore", top: lmdb.Transaction, base: lmdb.Transaction | None):
+        self.store, self.top, self.base = store, top, base  # base is None for a one-layer store
+
+    def get(self, db: str, key: bytes):
+        raw = self.top.get(key, db=self.store._db[db])
+        if self.base is None:
+            return raw
+        if raw is not None:
+            return None if len(raw) == 0 else raw
+        return self.base.get(key, db=self.store._base_db[db])
+
+    def put(self, db: str, key: bytes, value: bytes) -> None:
+        self.top.put(key, value, db=self.store._db[db])
+
+    def delete(self, db: str, key: bytes) -> None:
+        if self.base is None:
+            self.top.delete(key, db=self.store._db[db])
+        elif self.base.get(key, db=self.store._base_db[db]) is not None:
+            self.top.put(key, DELETED, db=self.store._db[db])  # mask the base's value
+        else:
+            self.top.delete(key, db=self.store._db[db])  # only ever in the delta: gone for good
+
+    def items(self, db: str, values: bool = True) -> Iterator[tuple[bytes, object]]:
+        """``(key, raw value)`` of every live key of ``db`` in key order (values ``None`` when not wanted)."""
+        top = self.top.cursor(db=self.store._db[db])
+        if self.base is None:
+            if values:
+                for key, value in top.iternext(keys=True, values=True):
+                    yield bytes(key), value
+            else:
+                for key in top.iternext(keys=True, values=False):
+                    yield bytes(key), None
+            return
+        bottom = self.base.cursor(db=self.store._base_db[db])
+        a = _next(top)
+        b = _next(bottom)
+        while a is not None or b is not None:
+            if b is None or (a is not None and a[0] <= b[0]):
+                if b is not None and a[0] == b[0]:
+                    b = _next(bottom)
+                if len(a[1]):
+                    yield a
+                a = _next(top)
+            else:
+                yield b
+                b = _next(bottom)
+
+
+def _next(cursor) -> tuple[bytes, object] | None:
+    if not cursor.next():
+        return None
+    return bytes(cursor.key()), cursor.value()
 
 
 class MetadataStore:
-    """One ``meta.lmdb/`` folder, opened for reading (shared, lock-free) or writing (one writer)."""
+    """The metadata of one generation (one layer, or a base plus a delta), opened for reading (shared,
+    lock-free) or writing (one writer, on a store no reader sees yet)."""
 
-    def __init__(self, path: str | os.PathLike, readonly: bool = True):
-        """Open the store at ``path`` (created when writing).
+    def __init__(self, path: str | os.PathLike, readonly: bool = True, delta: str | os.PathLike | None = None):
+        """Open the store at ``path``; with ``delta``, the layered store of ``path`` (the base, always read-only
+        then) under ``delta``.
+
+        Args:
+            readonly: open for reading; otherwise the top layer (``delta`` when given, else ``path``) is
+                created if missing and written.
 
         Raises:
-            ArtifactError: a read-only open of a missing or unreadable store.
+            ArtifactError: a missing or unreadable store.
         """
         self.path = Path(path)
+        self.delta_path = Path(delta) if delta is not None else None
         self.readonly = readonly
+        self.env = self._base_env = None
+        self._keys: list[tuple[int, int]] = []
         try:
-            if readonly:
-                if not (self.path / "data.mdb").is_file():
-                    raise ArtifactError(f"metadata store not found: {self.path}; rebuild with `moco index --rebuild`")
-                self.env = _acquire_readonly(self.path)
+            if self.delta_path is None:
+                self.env = self._open(self.path, readonly)
             else:
-                self.path.mkdir(parents=True, exist_ok=True)
-                size = max(INITIAL_MAP_SIZE, 2 * _file_size(self.path / "data.mdb"))
-                self.env = lmdb.open(str(self.path), map_size=size, max_dbs=MAX_DBS, subdir=True, sync=True,
-                                     metasync=True, readahead=False)
+                self._base_env = self._open(self.path, True)
+                self.env = self._open(self.delta_path, readonly)
             self._db = {name.decode(): self.env.open_db(name, create=not readonly) for name in _DBS}
+            self._base_db = ({name.decode(): self._base_env.open_db(name, create=False) for name in _DBS}
+                             if self._base_env is not None else None)
         except lmdb.Error as exc:
-            raise ArtifactError(f"cannot open metadata store {self.path} ({exc}); "
+            self.close()
+            raise ArtifactError(f"cannot open metadata store {self.delta_path or self.path} ({exc}); "
                                 "rebuild with `moco index --rebuild`") from exc
+        except BaseException:
+            self.close()
+            raise
+
+    def _open(self, path: Path, readonly: bool) -> lmdb.Environment:
+        if not readonly:
+            return _open_writable(path)
+        if not (path / DATA_FILE).is_file():
+            raise ArtifactError(f"metadata store not found: {path}; rebuild with `moco index --rebuild`")
+        env, key = _acquire_readonly(path)
+        self._keys.append(key)
+        return env
+
+    @property
+    def layered(self) -> bool:
+        return self._base_env is not None
 
     def close(self) -> None:
-        if self.env is None:
-            return
-        if self.readonly:
-            _release_readonly(self.path)
-        else:
+        if self.env is not None and not self.readonly:
             self.env.close()
-        self.env = None
+        for key in self._keys:
+            _release_readonly(key)
+        self._keys = []
+        self.env = self._base_env = None
 
     def __enter__(self) -> "MetadataStore":
         return self
@@ -126,10 +257,47 @@ class MetadataStore:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    # -- transactions -----------------------------------------------------------------------------------------
+    def _read(self):
+        store = self
+
+        class _ReadView:
+            def __enter__(self):
+                self.top = store.env.begin(buffers=True)
+                self.base = store._base_env.begin(buffers=True) if store._base_env is not None else None
+                return _View(store, self.top, self.base)
+
+            def __exit__(self, *exc):
+                self.top.abort()
+                if self.base is not None:
+                    self.base.abort()
+
+        return _ReadView()
+
+    def _write(self, fn: Callable[[_View], object]):
+        """Run ``fn`` in one write transaction, doubling the map size and replaying it when the map is full."""
+        if self.readonly:
+            raise IndexBuildError(f"metadata store {self.delta_path or self.path} is open read-only")
+        while True:
+            base = self._base_env.begin(buffers=True) if self._base_env is not None else None
+            try:
+                with self.env.begin(write=True) as txn:
+                    return fn(_View(self, txn, base))
+            except lmdb.MapFullError:
+                size = self.env.info()["map_size"] * 2
+                LOG.debug("LMDB map full; growing %s to %d MiB", self.delta_path or self.path, size >> 20)
+                self.env.set_mapsize(size)
+            except lmdb.Error as exc:  # I/O errors: a full disk is the usual one
+                raise OutputError(f"cannot write metadata store {self.delta_path or self.path} ({exc}); check free "
+                                  "space and rerun the same command") from exc
+            finally:
+                if base is not None:
+                    base.abort()
+
     # -- reading ----------------------------------------------------------------------------------------------
     def _get(self, db: str, key: bytes):
-        with self.env.begin(db=self._db[db], buffers=True) as txn:
-            return _load(txn.get(key))
+        with self._read() as view:
+            return _load(view.get(db, key))
 
     def record(self, item_id: int) -> dict | None:
         """The live record of ``item_id``, or ``None`` (unknown or tombstoned)."""
@@ -139,11 +307,11 @@ class MetadataStore:
 
     def records(self, ids: Iterable[int]) -> list[dict | None]:
         """Records of many ids in one read transaction (``None`` where unknown)."""
-        with self.env.begin(db=self._db["items"], buffers=True) as txn:
-            return [_load(txn.get(id_key(i))) if i >= 0 else None for i in ids]
+        with self._read() as view:
+            return [_load(view.get("items", id_key(i))) if i >= 0 else None for i in ids]
 
     def id_of_path(self, path: str) -> int | None:
-        return self._get("paths", path.encode())
+        return self._get("paths", path_key(path))
 
     def ids_of_sha256(self, sha256: str) -> list[int]:
         return self._get("sha256", sha256.encode()) or []
@@ -155,108 +323,152 @@ class MetadataStore:
         return self._get("info", b"next_id") or 0
 
     def count(self) -> int:
-        with self.env.begin(db=self._db["items"]) as txn:
-            return txn.stat(self._db["items"])["entries"]
+        """Live items (one pass over the keys when the store is layered)."""
+        if not self.layered:
+            with self.env.begin(db=self._db["items"]) as txn:
+                return txn.stat(self._db["items"])["entries"]
+        with self._read() as view:
+            return sum(1 for _ in view.items("items", values=False))
+
+    def live_ids(self) -> np.ndarray:
+        """Sorted int64 ids of every live item (keys only: no record is decoded)."""
+        with self._read() as view:
+            return np.fromiter((int.from_bytes(k, "big") for k, _ in view.items("items", values=False)),
+                               dtype=np.int64)
 
     def iter_records(self) -> Iterator[dict]:
         """All live records in id order."""
-        with self.env.begin(db=self._db["items"], buffers=True) as txn:
-            for _, value in txn.cursor():
+        with self._read() as view:
+            for _, value in view.items("items"):
                 yield _load(value)
 
     def iter_ids_with_paths(self) -> Iterator[tuple[str, int]]:
         """``(path, id)`` of every live item, in path order."""
-        with self.env.begin(db=self._db["paths"], buffers=True) as txn:
-            for key, value in txn.cursor():
-                yield bytes(key).decode(), _load(value)
+        with self._read() as view:
+            for key, value in view.items("paths"):
+                item_id = _load(value)
+                if bytes(key[:1]) == b"\0":  # a long path, keyed by its hash: the record has it
+                    yield _load(view.get("items", id_key(item_id)))["path"], item_id
+                else:
+                    yield decode_name(bytes(key)), item_id
 
     def skipped(self) -> dict[str, dict]:
         """Unreadable files remembered from earlier runs: path -> {path, bytes, mtime_ns, reason}."""
-        with self.env.begin(db=self._db["skipped"], buffers=True) as txn:
-            return {bytes(k).decode(): _load(v) for k, v in txn.cursor()}
+        with self._read() as view:
+            return {info["path"]: info for info in (_load(v) for _, v in view.items("skipped"))}
 
     # -- writing ----------------------------------------------------------------------------------------------
-    def _write(self, fn: Callable[[lmdb.Transaction], object]):
-        """Run ``fn`` in one write transaction, doubling the map size and replaying it when the map is full."""
-        if self.readonly:
-            raise IndexBuildError(f"metadata store {self.path} is open read-only")
-        while True:
-            try:
-                with self.env.begin(write=True) as txn:
-                    return fn(txn)
-            except lmdb.MapFullError:
-                size = self.env.info()["map_size"] * 2
-                LOG.debug("LMDB map full; growing %s to %d MiB", self.path, size >> 20)
-                self.env.set_mapsize(size)
-            except lmdb.Error as exc:  # I/O errors: a full disk is the usual one
-                raise OutputError(f"cannot write metadata store {self.path} ({exc}); check free space and "
-                                  "rerun the same command") from exc
+    def remove_items(self, ids: list[int], generation: str) -> list[tuple[dict, bool]]:
+        """Tombstone ``ids``; when a removed item was the original of duplicates, the next one becomes it.
 
-    def remove_items(self, ids: list[int], generation: str) -> None:
-        """Tombstone ``ids``; when a removed item was the original of duplicates, the next one becomes it."""
+        Returns:
+            ``(record, copies_left)`` of each removed item: its record, and whether live items with its content
+            remain (then one fewer of them counts as a duplicate).
+        """
+        removed: list[dict] = []
         for start in range(0, len(ids), WRITE_CHUNK):
             chunk = ids[start:start + WRITE_CHUNK]
-            self._write(lambda txn: [self._remove_one(txn, i, generation) for i in chunk])
+            removed += self._write(lambda view: [self._remove_one(view, i, generation) for i in chunk])
+        return removed
 
-    def _remove_one(self, txn: lmdb.Transaction, item_id: int, generation: str) -> None:
-        db = self._db
+    def _remove_one(self, view: _View, item_id: int, generation: str) -> tuple[dict, bool]:
         key = id_key(item_id)
-        rec = _load(txn.get(key, db=db["items"]))
+        rec = _load(view.get("items", key))
         if rec is None:
             raise IndexBuildError(f"metadata store {self.path} has no live item {item_id} to remove; "
                                   "rebuild with `moco index --rebuild`")
-        txn.delete(key, db=db["items"])
-        txn.put(key, _dump({"id": item_id, "path": rec["path"], "sha256": rec["sha256"], "removed_in": generation}),
-                db=db["tombstones"])
-        if _load(txn.get(rec["path"].encode(), db=db["paths"])) == item_id:
-            txn.delete(rec["path"].encode(), db=db["paths"])
+        view.delete("items", key)
+        view.put("tombstones", key, _dump({"id": item_id, "path": rec["path"], "sha256": rec["sha256"],
+                                           "removed_in": generation}))
+        if _load(view.get("paths", path_key(rec["path"]))) == item_id:
+            view.delete("paths", path_key(rec["path"]))
         sha_key = rec["sha256"].encode()
-        same = [i for i in (_load(txn.get(sha_key, db=db["sha256"])) or []) if i != item_id]
+        same = [i for i in (_load(view.get("sha256", sha_key)) or []) if i != item_id]
         if not same:
-            txn.delete(sha_key, db=db["sha256"])
-            return
-        txn.put(sha_key, _dump(same), db=db["sha256"])
+            view.delete("sha256", sha_key)
+            return rec, False
+        view.put("sha256", sha_key, _dump(same))
         if rec.get("duplicate_of") is None:  # the original went away: the oldest copy takes its place
             for i in same:
-                other = _load(txn.get(id_key(i), db=db["items"]))
+                other = _load(view.get("items", id_key(i)))
                 other["duplicate_of"] = None if i == same[0] else same[0]
-                txn.put(id_key(i), _dump(other), db=db["items"])
+                view.put("items", id_key(i), _dump(other))
+        return rec, True
 
-    def add_items(self, records: list[dict]) -> None:
-        """Insert new live records (each with a fresh ``id``); sets ``duplicate_of`` from their sha256."""
+    def add_items(self, records: list[dict]) -> list[dict]:
+        """Insert new live records (each with a fresh ``id``); sets ``duplicate_of`` from their sha256.
+
+        Returns:
+            the records as stored (``duplicate_of`` set).
+        """
+        stored: list[dict] = []
         for start in range(0, len(records), WRITE_CHUNK):
             chunk = records[start:start + WRITE_CHUNK]
-            self._write(lambda txn: [self._add_one(txn, r) for r in chunk])
+            stored += self._write(lambda view: [self._add_one(view, r) for r in chunk])
+        return stored
 
-    def _add_one(self, txn: lmdb.Transaction, rec: dict) -> None:
-        db = self._db
+    def _add_one(self, view: _View, rec: dict) -> dict:
         key = id_key(rec["id"])
-        if txn.get(key, db=db["items"]) is not None or txn.get(key, db=db["tombstones"]) is not None:
+        if view.get("items", key) is not None or view.get("tombstones", key) is not None:
             raise IndexBuildError(f"id {rec['id']} is already used in {self.path}; rebuild with `moco index --rebuild`")
         sha_key = rec["sha256"].encode()
-        same = _load(txn.get(sha_key, db=db["sha256"])) or []
+        same = _load(view.get("sha256", sha_key)) or []
         rec = dict(rec, duplicate_of=same[0] if same else None)
-        txn.put(key, _dump(rec), db=db["items"])
-        txn.put(rec["path"].encode(), _dump(rec["id"]), db=db["paths"])
-        txn.put(sha_key, _dump(same + [rec["id"]]), db=db["sha256"])
-        next_id = _load(txn.get(b"next_id", db=db["info"])) or 0
+        view.put("items", key, _dump(rec))
+        view.put("paths", path_key(rec["path"]), _dump(rec["id"]))
+        view.put("sha256", sha_key, _dump(same + [rec["id"]]))
+        next_id = _load(view.get("info", b"next_id")) or 0
         if rec["id"] >= next_id:
-            txn.put(b"next_id", _dump(rec["id"] + 1), db=db["info"])
+            view.put("info", b"next_id", _dump(rec["id"] + 1))
+        return rec
 
     def set_next_id(self, next_id: int) -> None:
-        self._write(lambda txn: txn.put(b"next_id", _dump(int(next_id)), db=self._db["info"]))
+        self._write(lambda view: view.put("info", b"next_id", _dump(int(next_id))))
 
     def replace_skipped(self, skipped: dict[str, dict]) -> None:
         """Replace the remembered unreadable files with ``skipped`` (path -> {path, bytes, mtime_ns, reason})."""
-        def fn(txn):
-            txn.drop(self._db["skipped"], delete=False)
-            for path, info in skipped.items():
-                txn.put(path.encode(), _dump(info), db=self._db["skipped"])
+        def fn(view: _View):
+            old = {k for k, _ in view.items("skipped", values=False)}
+            new = {path_key(p): info for p, info in skipped.items()}
+            for key in old - set(new):
+                view.delete("skipped", key)
+            for key, info in new.items():
+                view.put("skipped", key, _dump(info))
         self._write(fn)
 
     def sync(self) -> None:
         """Flush everything to disk (before the generation is published)."""
         self.env.sync(True)
+
+
+def materialize(base: Path, delta: Path, out: Path) -> None:
+    """Write the store that ``base`` + ``delta`` read as into ``out`` as one layer (compaction): a compacted
+    copy of the base with every key of the delta applied. Costs a sequential copy of the base plus the delta.
+    """
+    copy_store(base, out)
+    with MetadataStore(out, readonly=False) as target, MetadataStore(delta) as source:
+        for db in (name.decode() for name in _DBS):
+            with source._read() as view:
+                entries = [(k, bytes(v)) for k, v in _raw_items(view, db)]
+            for start in range(0, len(entries), WRITE_CHUNK):
+                chunk = entries[start:start + WRITE_CHUNK]
+
+                def apply(v: _View, chunk=chunk, db=db):
+                    for key, value in chunk:
+                        if len(value) == 0:
+                            if v.get(db, key) is not None:
+                                v.delete(db, key)
+                        else:
+                            v.put(db, key, value)
+                target._write(apply)
+        target.sync()
+
+
+def _raw_items(view: _View, db: str) -> Iterator[tuple[bytes, bytes]]:
+    """Every key of one layer, deletion markers included."""
+    cursor = view.top.cursor(db=view.store._db[db])
+    for key, value in cursor.iternext(keys=True, values=True):
+        yield bytes(key), value
 
 
 def _file_size(path: Path) -> int:

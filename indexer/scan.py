@@ -2,8 +2,9 @@
 
 The walk rules are :func:`contracts.images.walk_image_files`, the same for every stage (``moco index --help``
 repeats them): recursive and sorted by relative path; image extensions only; hidden names ignored; symlinks
-followed, each folder once; only regular files (a broken link or a FIFO is reported as skipped, never
-opened). The label is the first-level subfolder, unless a ``path,label`` CSV is given, which then is the only
+followed, each folder once, but a file that resolves outside the folder is skipped (the server serves only
+files inside it); only regular files (a broken link or a FIFO is reported as skipped, never opened); names
+kept as the file system has them, not-UTF-8 bytes included (:mod:`contracts.filenames`). The label is the first-level subfolder, unless a ``path,label`` CSV is given, which then is the only
 source of labels.
 
 Reads only directory entries and ``stat`` (never file contents), so rescanning 10 million files is cheap.
@@ -22,7 +23,7 @@ from contracts.images import IMAGE_EXTENSIONS, walk_image_files
 LOG = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # slots: 10M entries are 10M objects
 class ScanEntry:
     """One image file: ``path`` relative to the root (``/``-separated), its label, size and mtime."""
 
@@ -74,7 +75,7 @@ def scan_folder(root: str | os.PathLike, labels: dict[str, str] | None = None) -
     root = Path(root)
     entries: list[ScanEntry] = []
     skipped: list[tuple[str, str]] = []
-    for found in walk_image_files(root):
+    for found in walk_image_files(root, confine=True):
         if found.skip_reason is not None:
             skipped.append((found.path, found.skip_reason))
             continue

@@ -1,9 +1,14 @@
-"""Committed vector blocks: the embeddings each generation added, kept so later generations can rebuild.
+"""Committed vector blocks: the embeddings each generation added, kept for compaction, ground truth and
+re-ranking.
 
-Block ``gN`` holds the vectors first embedded by the run that published generation ``gN``: int64 ``[n]`` ids
-(``gN.ids.npy``) and float32 ``[n, D]`` rows (``gN.vec.npy``). An id's vector never changes (a changed file
-gets a new id), so blocks are immutable and shared; which ids are live is the metadata store's business,
-and :func:`live_blocks` filters by it. The manifest lists the blocks a generation uses.
+Block ``gN`` holds the vectors first embedded by the run that published generation ``gN`` (or, after a
+compaction, all live vectors of that moment): int64 ``[n]`` ids (``gN.ids.npy``, ascending) and ``[n, D]``
+rows (``gN.vec.npy``) in float32, or float16 for indexes that store compressed codes (IVF-PQ), where the
+blocks are the only full-precision copy and half the size matters: 1 KB per 512-d vector instead of 2.
+An id's vector never changes (a changed file gets a new id), so blocks are immutable and shared; which ids
+are live is the metadata store's business, and :func:`live_blocks` filters by it. Ids grow with every run,
+so the blocks of a manifest, in its order, hold ascending ids: :class:`BlockVectors` finds any id's row
+with one binary search.
 """
 from __future__ import annotations
 
@@ -13,10 +18,16 @@ from typing import Callable, Iterator
 import numpy as np
 
 from contracts.atomic import atomic_path, atomic_write, output_errors
-from contracts.errors import IndexBuildError
+from contracts.errors import ArtifactError, IndexBuildError
 from indexer.layout import IndexLayout
 
 READ_ROWS = 65_536  # rows per block handed to FAISS
+
+
+def block_dtype(factory: str) -> np.dtype:
+    """float16 blocks for indexes of compressed codes (the blocks are then their only full-precision copy),
+    float32 for the rest."""
+    return np.dtype(np.float16 if "PQ" in factory else np.float32)
 
 
 class BlockWriter:
@@ -26,9 +37,9 @@ class BlockWriter:
     ends without an error and all ``n`` rows were appended.
     """
 
-    def __init__(self, layout: IndexLayout, name: str, n: int, d: int):
+    def __init__(self, layout: IndexLayout, name: str, n: int, d: int, dtype=np.float32):
         self.ids_path, self.vec_path = layout.vector_block(name)
-        self.n, self.d, self.pos = n, d, 0
+        self.n, self.d, self.pos, self.dtype = n, d, 0, np.dtype(dtype)
         with output_errors(layout.vectors):
             layout.vectors.mkdir(parents=True, exist_ok=True)
 
@@ -37,13 +48,20 @@ class BlockWriter:
         tmp = self._vec_file.__enter__()
         self.ids = np.zeros(self.n, dtype=np.int64)
         with output_errors(self.vec_path):
-            self.vec = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float32, shape=(self.n, self.d))
+            self.vec = np.lib.format.open_memmap(tmp, mode="w+", dtype=self.dtype, shape=(self.n, self.d))
         return self
 
     def append(self, item_id: int, vector: np.ndarray) -> None:
         self.ids[self.pos] = item_id
         self.vec[self.pos] = vector
         self.pos += 1
+
+    def extend(self, ids: np.ndarray, vectors: np.ndarray) -> None:
+        """Append many rows at once."""
+        end = self.pos + len(ids)
+        self.ids[self.pos:end] = ids
+        self.vec[self.pos:end] = vectors
+        self.pos = end
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         self.vec.flush()
@@ -64,7 +82,7 @@ class BlockWriter:
 
 def live_blocks(layout: IndexLayout, names: list[str], live_ids: np.ndarray
                 ) -> Callable[[], Iterator[tuple[np.ndarray, np.ndarray]]]:
-    """A block source (see ``indexer.faiss_index``) over the live rows of the named blocks.
+    """A block source (see ``indexer.faiss_index``) over the live rows of the named blocks, as float32.
 
     Args:
         live_ids: sorted int64 ids that are live; rows of other ids are skipped.
@@ -76,11 +94,78 @@ def live_blocks(layout: IndexLayout, names: list[str], live_ids: np.ndarray
             vec = np.load(vec_path, mmap_mode="r")
             for start in range(0, len(ids), READ_ROWS):
                 sub = ids[start:start + READ_ROWS]
-                keep = np.isin(sub, live_ids, assume_unique=True)
+                keep = is_in_sorted(sub, live_ids)
                 if keep.any():
                     yield sub[keep], np.asarray(vec[start:start + READ_ROWS][keep], dtype=np.float32)
     return blocks
 
 
+def is_in_sorted(values: np.ndarray, sorted_ids: np.ndarray) -> np.ndarray:
+    """``values`` in ``sorted_ids`` (ascending), by binary search: O(m log n), where ``np.isin`` would sort both
+    arrays on every call."""
+    if not len(sorted_ids):
+        return np.zeros(len(values), dtype=bool)
+    pos = np.minimum(np.searchsorted(sorted_ids, values), len(sorted_ids) - 1)
+    return sorted_ids[pos] == values
+
+
 def block_exists(layout: IndexLayout, name: str) -> bool:
     return all(Path(p).is_file() for p in layout.vector_block(name))
+
+
+def block_rows(layout: IndexLayout, names: list[str]) -> int:
+    """Rows (live or not) of the named blocks, from their headers."""
+    total = 0
+    for name in names:
+        total += len(np.load(layout.vector_block(name)[0], mmap_mode="r"))
+    return total
+
+
+class BlockVectors:
+    """The stored vector of any id of a generation's blocks (memory-mapped: nothing is read until asked for).
+
+    Raises (on open):
+        ArtifactError: a block is missing or unreadable.
+    """
+
+    def __init__(self, layout: IndexLayout, names: list[str]):
+        ids, self._vectors, offsets = [], [], [0]
+        for name in names:
+            ids_path, vec_path = layout.vector_block(name)
+            try:
+                block_ids = np.load(ids_path)
+                self._vectors.append(np.load(vec_path, mmap_mode="r"))
+            except (OSError, ValueError) as exc:
+                raise ArtifactError(f"vector block {name} of {layout.root} is unreadable ({exc}); rebuild with "
+                                    "`moco index --rebuild`") from exc
+            ids.append(block_ids)
+            offsets.append(offsets[-1] + len(block_ids))
+        self.ids = np.concatenate(ids) if ids else np.zeros(0, dtype=np.int64)
+        self._offsets = np.asarray(offsets, dtype=np.int64)
+        self._order = None
+        if len(self.ids) > 1 and not np.all(self.ids[1:] > self.ids[:-1]):  # not expected; still correct
+            self._order = np.argsort(self.ids, kind="stable")
+            self.ids = self.ids[self._order]
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def get(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(found, vectors)``: bool ``[m]`` and float32 ``[m, D]`` (zero rows where not found)."""
+        ids = np.asarray(ids, dtype=np.int64).ravel()
+        pos = np.searchsorted(self.ids, ids)
+        pos_ok = np.minimum(pos, max(len(self.ids) - 1, 0))
+        found = (pos < len(self.ids)) & (self.ids[pos_ok] == ids) if len(self.ids) else np.zeros(len(ids), bool)
+        d = self._vectors[0].shape[1] if self._vectors else 0
+        out = np.zeros((len(ids), d), dtype=np.float32)
+        rows = pos_ok[found]
+        if self._order is not None:
+            rows = self._order[rows]
+        blocks = np.searchsorted(self._offsets, rows, side="right") - 1
+        where = np.flatnonzero(found)
+        for b in np.unique(blocks):
+            sel = blocks == b
+            local = rows[sel] - self._offsets[b]
+            order = np.argsort(local)  # sorted reads of the memory map
+            out[where[sel][order]] = np.asarray(self._vectors[b][local[order]], dtype=np.float32)
+        return found, out

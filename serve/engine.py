@@ -1,10 +1,15 @@
 """The search engine: nearest-neighbour search and k-NN classification over one index directory.
 
-A query image is decoded and resized in the caller's thread with the index's own encoder preprocessing
-(:mod:`indexer.encoder`), embedded and searched in a micro-batch with concurrent queries
-(:mod:`serve.batching`), and its neighbours' records are read from LMDB in the caller's thread (each read
-in its own read-only transaction, so threads never share one). Tombstoned ids never come back: the index
-is searched a little deeper than ``k`` and ids without a live record are dropped.
+A query image is decoded and resized with the index's own encoder preprocessing (the one decode,
+:func:`contracts.images.decode_image`, told the encoder's size), embedded and searched in a micro-batch with
+concurrent queries (:mod:`serve.batching`), and its neighbours' records are read from LMDB (each read in its
+own read-only transaction, so threads never share one). Tombstoned ids never come back: the index is searched
+a little deeper than ``k`` and ids without a live record are dropped.
+
+Two ways in: :meth:`SearchEngine.search` (and ``classify``) decode in the caller's thread and wait for the
+batch (the CLI, the Gradio UI); :meth:`SearchEngine.search_async` (the HTTP API) decodes on the engine's decode
+threads and awaits the batch without holding a thread. At most ``decode_slots`` decodes run at once, whoever
+asks (a semaphore), so concurrent hostile uploads cannot each allocate a large image at the same time.
 
 The engine watches ``CURRENT`` of the index directory; when ``moco index`` publishes a new generation it
 opens and checks it beside the old one, switches new requests to it, and closes the old one once its last
@@ -12,11 +17,13 @@ request has finished. A generation that fails its checks is logged and the old o
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -34,8 +41,10 @@ from contracts.errors import (
 )
 from contracts.images import decode_image
 from contracts.knn import KNN_K, KNN_TEMPERATURE, SEARCH_K
+from indexer.encoder import available_cores
 from indexer.layout import current_generation
 from serve.batching import MicroBatcher
+from serve.files import open_indexed_file
 from serve.generation import ServedGeneration
 
 LOG = logging.getLogger(__name__)
@@ -49,15 +58,29 @@ class EngineConfig:
 
     model: str | None = None    # serve with this encoder.onnx instead of the index's copy (must be the same model)
     device: str = "auto"        # encoder device: auto, cpu or cuda
-    threads: int | None = None  # encoder CPU threads (default: the usable cores)
+    # Encoder CPU threads (default: the usable cores). Measured with bench/serve_latency.py on 2 cores: with the
+    # bench's small-stem ResNet-18 (10 ms of CPU per image, the encoder is the bottleneck) 2 threads served 122
+    # req/s at 8 clients against 93 with 1; with the ImageNet stem (0.8 ms) 1 and 2 were within noise.
+    threads: int | None = None
+    # Encoder threads spin-wait between runs (ONNX Runtime's default). Off: a server's runs come and go, and
+    # spinning threads take the cores the HTTP work needs (measured, 2 cores, 8 clients, ImageNet-stem
+    # ResNet-18: server CPU per request 4.2 -> 2.9 ms; 1 client: 10.7 -> 4.0 ms).
+    spin: bool = False
     max_batch: int = 32         # most query images embedded together
-    max_wait_ms: float = 2.0    # how long a batch waits for more concurrent queries
+    # How long the batcher waits for more concurrent queries after the first one. 0: a batch is whatever waits
+    # when the worker is free (under load the queue fills while it runs, so batches still form), and a lone
+    # query never waits (measured, 1 client: p50 6.7 -> 3.4 ms against the former 2 ms; see
+    # docs/ARCHITECTURE.md, "Measured lessons").
+    max_wait_ms: float = 0.0
+    # Decodes running at once (default: the usable cores); more wait. Bounds the memory of concurrent uploads.
+    decode_slots: int | None = None
     poll_seconds: float = 1.0   # how often CURRENT is checked for a new generation (0: never)
     max_k: int = MAX_K          # the largest k a query may ask for
     # FAISS OpenMP threads of the threads that search (None leaves FAISS's default). Queries come one micro-batch at a
     # time, where starting an OpenMP team costs more than it saves: measured 12 ms vs 0.5 ms per single
     # query on a 2,000-item flat index with 2 busy cores. Raise it for big batches on large IVF/HNSW indexes.
     faiss_threads: int | None = 1
+    faiss_gpu: str = "none"     # search Flat / IVF indexes on GPUs: none, auto, one or all (indexer.faiss_gpu)
 
     def __post_init__(self):
         if self.max_batch < 1:
@@ -68,6 +91,8 @@ class EngineConfig:
             raise ConfigError(f"max_k must be at least 1, got {self.max_k}")
         if self.faiss_threads is not None and self.faiss_threads < 1:
             raise ConfigError(f"faiss_threads must be at least 1, got {self.faiss_threads}")
+        if self.decode_slots is not None and self.decode_slots < 1:
+            raise ConfigError(f"decode_slots must be at least 1, got {self.decode_slots}")
 
 
 @dataclass
@@ -158,6 +183,9 @@ class SearchEngine:
         self._count_lock = threading.Lock()
         self._stop = threading.Event()
         self._batcher = MicroBatcher(self._run_batch, self.config.max_batch, self.config.max_wait_ms / 1000)
+        slots = self.config.decode_slots or available_cores()
+        self._decode_slots = threading.BoundedSemaphore(slots)
+        self._decoders = ThreadPoolExecutor(slots, thread_name_prefix="moco-decode")
         self._watcher = None
         if self.config.poll_seconds > 0:
             self._watcher = threading.Thread(target=self._watch, name="moco-index-watcher", daemon=True)
@@ -168,7 +196,8 @@ class SearchEngine:
     def _open(self, reuse) -> ServedGeneration:
         cfg = self.config
         return ServedGeneration.open(self.index_dir, model=cfg.model, reuse=reuse, device=cfg.device,
-                                     threads=cfg.threads, faiss_threads=cfg.faiss_threads)
+                                     threads=cfg.threads, faiss_threads=cfg.faiss_threads, spin=cfg.spin,
+                                     faiss_gpu=cfg.faiss_gpu)
 
     def close(self) -> None:
         """Stop watching, finish queued queries and close the index."""
@@ -176,6 +205,7 @@ class SearchEngine:
         if self._watcher is not None:
             self._watcher.join(timeout=10)
         self._batcher.close()
+        self._decoders.shutdown(wait=True)
         self._current.retire()
 
     def __enter__(self) -> "SearchEngine":
@@ -191,16 +221,20 @@ class SearchEngine:
 
     @contextmanager
     def _generation(self) -> Iterator[ServedGeneration]:
-        while True:  # a swap may close the generation we read between the read and the acquire: retry
-            gen = self._current
-            if gen.acquire():
-                break
-            if self._stop.is_set():
-                raise ArtifactError(f"the search engine over {self.index_dir} was closed; open a new one")
+        gen = self._acquire()
         try:
             yield gen
         finally:
             gen.release()
+
+    def _acquire(self) -> ServedGeneration:
+        """A reference to the live generation (release it with ``release()``)."""
+        while True:  # a swap may close the generation we read between the read and the acquire: retry
+            gen = self._current
+            if gen.acquire():
+                return gen
+            if self._stop.is_set():
+                raise ArtifactError(f"the search engine over {self.index_dir} was closed; open a new one")
 
     def refresh(self) -> bool:
         """Switch to a newly published generation if there is one; True when it switched.
@@ -246,15 +280,16 @@ class SearchEngine:
             raise ConfigError(f"k must be an integer from 1 to {self.config.max_k}, got {k!r}")
 
     def _decode(self, gen: ServedGeneration, images: list) -> np.ndarray:
-        """Images (bytes, paths or PIL) -> uint8 ``[n, H, W, 3]`` for ``gen``'s encoder."""
+        """Images (bytes, paths or PIL) -> uint8 ``[n, H, W, 3]`` for ``gen``'s encoder, one decode slot each."""
         if not images:
             raise DataError("no query image given")
         enc = gen.encoder
         rows = []
         for image in images:
-            if not hasattr(image, "mode"):  # bytes or a path; a PIL image is used as it is
-                image = decode_image(image)
-            rows.append(preprocess_image(image, enc.image_size, enc.resize))
+            with self._decode_slots:
+                if not hasattr(image, "mode"):  # bytes or a path; a PIL image is used as it is
+                    image = decode_image(image, target_size=enc.image_size)
+                rows.append(preprocess_image(image, enc.image_size, enc.resize))
         return np.stack(rows)
 
     def _run_batch(self, gen: ServedGeneration, rows: np.ndarray, k: int):
@@ -284,6 +319,21 @@ class SearchEngine:
             fetched = min(gen.ntotal, 2 * fetched)
             D, I = (row[0] for row in gen.search(xq[None], fetched))
 
+    def _results(self, gen: ServedGeneration, out, n: int, k: int, t0: float, t1: float,
+                 t2: float) -> list[SearchResult]:
+        """The batch's rows -> results: read the hits' records, attach the phase timings."""
+        results = []
+        for xq, D, I in out.value:
+            hits = self._hits(gen, xq, D, I, k)
+            timings = {"decode": (t1 - t0) / n, "queue": out.queued, **out.seconds}
+            results.append(SearchResult(hits, gen.name, timings, out.batch_rows))
+        t3 = time.perf_counter()
+        for res in results:
+            res.timings["metadata"] = (t3 - t2) / len(results)
+            res.timings["total"] = (t3 - t0) / len(results)
+        self._count(n)
+        return results
+
     def _neighbours(self, images: list, k: int) -> list[SearchResult]:
         """Decode in this thread, embed + search in a micro-batch, read the records in this thread."""
         with self._generation() as gen:
@@ -291,18 +341,58 @@ class SearchEngine:
             rows = self._decode(gen, images)
             t1 = time.perf_counter()
             out = self._batcher.submit(gen, rows, self._fetch_k(gen, k)).result()
-            t2 = time.perf_counter()
-            results = []
-            for xq, D, I in out.value:
-                hits = self._hits(gen, xq, D, I, k)
-                timings = {"decode": (t1 - t0) / len(images), "queue": out.queued, **out.seconds}
-                results.append(SearchResult(hits, gen.name, timings, out.batch_rows))
-            t3 = time.perf_counter()
-            for res in results:
-                res.timings["metadata"] = (t3 - t2) / len(results)
-                res.timings["total"] = (t3 - t0) / len(results)
-        self._count(len(images))
-        return results
+            return self._results(gen, out, len(images), k, t0, t1, time.perf_counter())
+
+    async def _neighbours_async(self, images: list, k: int) -> list[SearchResult]:
+        """Decode on a decode thread, which hands the rows straight to the batcher; the batch's end wakes the
+        event loop once (one loop wake-up per request instead of two: measured +6% requests/s at 8 clients),
+        which reads the records (LMDB reads of a published store: memory-mapped, lock-free, microseconds).
+
+        The generation stays referenced until its decode and batch are over, even when the awaiting request is
+        cancelled (the threads still use its encoder and index)."""
+        loop = asyncio.get_running_loop()
+        gen = self._acquire()
+        t0 = time.perf_counter()
+        fetch_k = self._fetch_k(gen, k)
+        done = loop.create_future()
+        state = {"over": False, "abandoned": False}
+        lock = threading.Lock()
+
+        def finish(outcome) -> None:  # in a decode or batcher thread, once
+            with lock:
+                state["over"] = True
+                abandoned = state["abandoned"]
+            if abandoned:
+                gen.release()
+            else:
+                loop.call_soon_threadsafe(lambda: done.cancelled() or done.set_result(outcome))
+
+        def decode_and_submit() -> None:
+            try:
+                rows = self._decode(gen, images)
+                t1 = time.perf_counter()
+                batch = self._batcher.submit(gen, rows, fetch_k)
+            except BaseException as exc:  # handed to the awaiting request, raised there
+                finish((exc, None))
+                return
+            batch.add_done_callback(lambda future: finish((future, t1)))
+
+        self._decoders.submit(decode_and_submit)
+        try:
+            got, t1 = await done
+        except asyncio.CancelledError:
+            with lock:
+                state["abandoned"] = True
+                over = state["over"]
+            if over:
+                gen.release()
+            raise
+        try:
+            if t1 is None:
+                raise got
+            return self._results(gen, got.result(), len(images), k, t0, t1, time.perf_counter())
+        finally:
+            gen.release()
 
     def search(self, images: list, k: int = SEARCH_K) -> list[SearchResult]:
         """The ``k`` nearest items to each query image.
@@ -333,11 +423,10 @@ class SearchEngine:
             query = self._record(gen, item_id)
             xq = gen.vector(item_id)
             if xq is None:  # this index type cannot return stored vectors: embed the item's image again
-                path = gen.image_file(item_id)
-                if path is None:
-                    raise UnknownItemError(f"item {item_id} has no stored vector and its image file is gone; "
-                                           "search with an uploaded image instead")
-                xq = gen.encoder.embed(self._decode(gen, [path]))[0]
+                f, _ = open_indexed_file(gen.manifest.image_root, query)
+                with f:
+                    data = f.read()
+                xq = gen.encoder.embed(self._decode(gen, [data]))[0]
             t1 = time.perf_counter()
             D, I = gen.search(xq[None], self._fetch_k(gen, k + 1))
             t2 = time.perf_counter()
@@ -348,6 +437,31 @@ class SearchEngine:
                    "total": t3 - t0}
         return SearchResult(hits, gen.name, timings, 1, query=query)
 
+    def search_async(self, images: list, k: int = SEARCH_K):
+        """:meth:`search` for an asyncio caller: a coroutine that decodes on the engine's decode threads and
+        awaits the micro-batch without holding a thread (the HTTP API)."""
+        self._check_k(k)
+        return self._neighbours_async(images, k)
+
+    def _check_classify(self, k: int, temperature: float) -> None:
+        self._check_k(k)
+        if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
+            raise ConfigError(f"temperature must be a positive number, got {temperature!r}")
+        with self._generation() as gen:
+            if not gen.labels():
+                raise ArtifactError(f"index {self.index_dir} has no labels to vote with; index a folder with one "
+                                    "subfolder per class to classify")
+
+    @staticmethod
+    def _votes(results: list[SearchResult], temperature: float) -> list[Classification]:
+        out = []
+        for res in results:
+            scores = np.array([h["score"] for h in res.hits], dtype=np.float64)
+            probs = knn_vote(scores, [h.get("label") for h in res.hits], float(temperature))
+            label = next(iter(probs), None)
+            out.append(Classification(label, probs, res.hits, res.generation, res.timings, res.batch_size))
+        return out
+
     def classify(self, images: list, k: int = KNN_K,
                  temperature: float = KNN_TEMPERATURE) -> list[Classification]:
         """k-NN classification: the labels of the ``k`` nearest items vote with weights ``exp(s / T)``.
@@ -356,20 +470,14 @@ class SearchEngine:
             ArtifactError: the index has no labeled items (index a folder with one subfolder per class).
             DataError: an image that does not decode. ConfigError: k or temperature out of range.
         """
-        self._check_k(k)
-        if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
-            raise ConfigError(f"temperature must be a positive number, got {temperature!r}")
-        with self._generation() as gen:
-            if not gen.labels():
-                raise ArtifactError(f"index {self.index_dir} has no labels to vote with; index a folder with one "
-                                    "subfolder per class to classify")
-        out = []
-        for res in self._neighbours(images, k):
-            scores = np.array([h["score"] for h in res.hits], dtype=np.float64)
-            probs = knn_vote(scores, [h.get("label") for h in res.hits], float(temperature))
-            label = next(iter(probs), None)
-            out.append(Classification(label, probs, res.hits, res.generation, res.timings, res.batch_size))
-        return out
+        self._check_classify(k, temperature)
+        return self._votes(self._neighbours(images, k), temperature)
+
+    async def classify_async(self, images: list, k: int = KNN_K,
+                             temperature: float = KNN_TEMPERATURE) -> list[Classification]:
+        """:meth:`classify` for an asyncio caller (see :meth:`search_async`)."""
+        self._check_classify(k, temperature)
+        return self._votes(await self._neighbours_async(images, k), temperature)
 
     # -- items and statistics ----------------------------------------------------------------------------------
     @staticmethod
@@ -384,19 +492,28 @@ class SearchEngine:
         with self._generation() as gen:
             return self._record(gen, item_id)
 
-    def image_file(self, item_id: int) -> tuple[Path, dict]:
-        """``(path on disk, record)`` of a live item's image.
+    def open_image(self, item_id: int):
+        """``(open binary file, fstat, record)`` of a live item's image, only while it is still the indexed file
+        (:func:`serve.files.open_indexed_file`: a regular file inside the image folder, same size and mtime).
 
         Raises:
-            UnknownItemError: unknown id, or its file is no longer on disk.
+            UnknownItemError: unknown id. ImageGoneError: the file is gone, moved outside, or changed.
         """
         with self._generation() as gen:
             rec = self._record(gen, item_id)
-            path = gen.image_file(item_id)
-        if path is None:
-            raise UnknownItemError(f"the image of item {item_id} ({rec['path']}) is no longer on disk; "
-                                   "re-run `moco index` to drop it")
-        return path, rec
+            root = gen.manifest.image_root
+        f, st = open_indexed_file(root, rec)
+        return f, st, rec
+
+    def image_file(self, item_id: int) -> tuple[Path, dict]:
+        """``(path on disk, record)`` of a live item's image, checked as :meth:`open_image` checks it.
+
+        Raises:
+            UnknownItemError: unknown id. ImageGoneError: the file is gone, moved outside, or changed.
+        """
+        f, _, rec = self.open_image(item_id)
+        f.close()
+        return self.image_root / rec["path"], rec
 
     def labels(self) -> dict[str, int]:
         """label -> live item count of the live generation (empty for an unlabeled corpus)."""

@@ -28,8 +28,9 @@ _shared_lock = threading.Lock()
 _shared: dict[tuple[str, str], list] = {}  # (index dir, generation) -> [IndexDirectory, users]
 
 
-def open_directory(index_dir: str | os.PathLike) -> IndexDirectory:
-    """The live generation of ``index_dir``, shared with its other users in this process.
+def open_directory(index_dir: str | os.PathLike, faiss_gpu: str = "none") -> IndexDirectory:
+    """The live generation of ``index_dir``, shared with its other users in this process (memory-mapped,
+    so other processes serving it share its pages too; ``faiss_gpu``: see ``indexer.faiss_gpu``).
 
     Raises:
         ArtifactError: missing, not an index directory, or unreadable.
@@ -42,7 +43,7 @@ def open_directory(index_dir: str | os.PathLike) -> IndexDirectory:
     with _shared_lock:
         entry = _shared.get(key)
         if entry is None:
-            entry = _shared[key] = [IndexDirectory(path, name), 0]
+            entry = _shared[key] = [IndexDirectory(path, name, faiss_gpu_mode=faiss_gpu), 0]
         entry[1] += 1
         return entry[0]
 
@@ -85,25 +86,27 @@ class ServedGeneration:
     @classmethod
     def open(cls, index_dir: str | os.PathLike, model: str | os.PathLike | None = None,
              reuse: OnnxEncoder | None = None, device: str = "auto", threads: int | None = None,
-             faiss_threads: int | None = None) -> "ServedGeneration":
+             faiss_threads: int | None = None, spin: bool = True, faiss_gpu: str = "none") -> "ServedGeneration":
         """Open the live generation of ``index_dir`` with its own encoder (or ``model``) and check them.
 
         Args:
             model: serve with this encoder file instead of the copy inside the index (must be the same model).
             reuse: an already open encoder, used instead of loading one when it is the model of this index.
             faiss_threads: OpenMP threads for FAISS searches (None: FAISS's default).
+            faiss_gpu: search Flat / IVF indexes on GPUs: none, auto, one or all (``indexer.faiss_gpu``).
+            spin: whether the encoder's CPU threads spin-wait between runs.
 
         Raises:
             ArtifactError: not an index directory, or the model does not match the index.
         """
-        directory = open_directory(index_dir)
+        directory = open_directory(index_dir, faiss_gpu)
         try:
             manifest = directory.manifest
             if reuse is not None and model is None and reuse.sha256 == manifest.model_sha256:
                 encoder = reuse
             else:
                 encoder = OnnxEncoder(model if model is not None else directory.encoder_path, device=device,
-                                      threads=threads)
+                                      threads=threads, spin=spin)
             manifest.check_encoder(encoder, str(index_dir), "serve it with the model it was built with, or rebuild "
                                    f"it with `moco index IMAGE_DIR --model {encoder.path} --out {index_dir}`")
         except BaseException:
@@ -170,8 +173,3 @@ class ServedGeneration:
                 return np.asarray(self.directory.index.reconstruct(int(item_id)), dtype=np.float32)
             except RuntimeError:  # no direct map (IVF) or the id is not in the index
                 return None
-
-    def image_file(self, item_id: int) -> Path | None:
-        """The item's image on disk, or ``None`` when unknown, tombstoned or gone from disk."""
-        path = self.directory.image_path(item_id)
-        return path if path is not None and Path(path).is_file() else None

@@ -11,8 +11,15 @@ Endpoints (all under ``/api``; the OpenAPI page is ``/docs``)::
     GET  /api/stats               items, labels, model, index type, recall@10
 
 Every error is JSON ``{"error": "<one line>"}`` with the status of its :class:`~contracts.errors.MocoError`
-(400 bad input, 404 unknown id, 409 index/model problem, 413 upload too large, 422 malformed request);
-an unexpected exception answers 500 with no traceback (the traceback goes to the server log).
+(400 bad input, 404 unknown id or endpoint, 405 wrong method (with ``Allow``), 409 index/model problem, 410 an
+item's file no longer the indexed one, 413 upload too large, 422 malformed request); an unexpected exception
+answers 500 with no traceback (the traceback goes to the server log).
+
+Hostile requests: a body over the upload limit is refused with 413 while it streams in, whatever its headers
+say (chunked bodies included), so no more than the limit is ever read or spooled (:class:`UploadLimit`);
+decoding happens off the event loop, at most ``decode_slots`` at once (:mod:`serve.engine`); an item's image
+is served only while it is still the indexed file (:mod:`serve.files`). File names are shown readably
+(:func:`contracts.filenames.display_name`: bytes that are not UTF-8 as ``\\xNN``) in ``path`` and ``label``.
 """
 from __future__ import annotations
 
@@ -21,19 +28,21 @@ import mimetypes
 import os
 
 from fastapi import FastAPI, File, Query, Request, UploadFile
-from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, JSONResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from contracts.errors import DataError, MocoError, UploadTooLargeError
+from contracts.filenames import display_name
 from contracts.knn import KNN_K, KNN_TEMPERATURE, SEARCH_K
 from serve.engine import EngineConfig, SearchEngine
 
 LOG = logging.getLogger(__name__)
 
 MAX_UPLOAD_BYTES = 32 << 20  # an upload larger than this is refused with 413 before it is decoded
+MULTIPART_ROOM = 64 << 10    # a request body may exceed the upload limit by this much: the multipart framing
 
 
 # -- response schemas (for the OpenAPI page; records may carry more fields) -----------------------------------
@@ -86,20 +95,89 @@ class ErrorBody(BaseModel):
     error: str
 
 
-_ERRORS = {status: {"model": ErrorBody} for status in (400, 404, 409, 413, 422)}
+_ERRORS = {status: {"model": ErrorBody} for status in (400, 404, 409, 410, 413, 422)}
 
 
-def _with_url(record: dict) -> dict:
-    return dict(record, image_url=f"/api/items/{record['id']}/image")
+def _public(record: dict) -> dict:
+    """A record as the API shows it: names readable (valid Unicode, one line) and the URL of its image."""
+    return dict(record, path=display_name(record["path"]), label=display_name(record.get("label")),
+                image_url=f"/api/items/{record['id']}/image")
+
+
+def _too_large_message(limit: int) -> str:
+    return f"upload is larger than {limit >> 20} MiB; send a smaller image"
+
+
+class UploadLimit:
+    """ASGI middleware: refuse a request body over ``limit`` bytes with 413, counting the bytes as they arrive.
+
+    A declared ``Content-Length`` over the limit is refused before the body is read; otherwise (chunked
+    bodies, or a length that lies) the body is counted while the application reads it, and the read that
+    passes the limit fails: the application's answer to that failure is dropped and the 413 sent instead. So
+    at most ``limit`` bytes are ever read, buffered or spooled to disk, whatever the headers say.
+    """
+
+    def __init__(self, app, limit: int, message: str):
+        self.app = app
+        self.limit = limit
+        self.message = message
+
+    async def _refuse(self, send) -> None:
+        body = JSONResponse({"error": self.message}, status_code=413, headers={"Connection": "close"})
+        await send({"type": "http.response.start", "status": 413, "headers": body.raw_headers})
+        await send({"type": "http.response.body", "body": body.body})
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        for name, value in scope["headers"]:
+            if name == b"content-length" and value.isdigit() and int(value) > self.limit:
+                return await self._refuse(send)
+        received, refused, started = 0, False, False
+
+        async def counting_receive():
+            nonlocal received, refused
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.limit:
+                    refused = True
+                    raise UploadTooLargeError(self.message)
+            return message
+
+        async def guarded_send(message):
+            nonlocal started
+            if refused:  # the application's answer to the failed read
+                return
+            started = True
+            await send(message)
+
+        try:
+            await self.app(scope, counting_receive, guarded_send)
+        except Exception:
+            if not refused:
+                raise
+        if refused and not started:
+            await self._refuse(send)
 
 
 async def _read_upload(image: UploadFile, limit: int) -> bytes:
     data = await image.read(limit + 1)
     if len(data) > limit:
-        raise UploadTooLargeError(f"upload is larger than {limit >> 20} MiB; send a smaller image")
+        raise UploadTooLargeError(_too_large_message(limit))
     if not data:
         raise DataError("the uploaded file is empty; send an image file in the form field 'image'")
     return data
+
+
+SMALL_FILE_BYTES = 8 << 20  # item images up to this size are sent from one read; larger ones are streamed
+
+
+def _chunks(f, size: int = 1 << 20):
+    """The bytes of the open file ``f`` in chunks, closing it at the end (or when the client goes away)."""
+    with f:
+        while chunk := f.read(size):
+            yield chunk
 
 
 def _validation_message(exc: RequestValidationError) -> str:
@@ -164,22 +242,16 @@ def create_app(engine: SearchEngine | str | os.PathLike, max_upload_bytes: int =
     app.state.engine = engine
     add_error_handlers(app)
 
-    @app.middleware("http")
-    async def _refuse_large_bodies(request: Request, call_next):
-        length = request.headers.get("content-length")
-        if request.url.path.startswith("/api/") and length and length.isdigit() \
-                and int(length) > max_upload_bytes + (64 << 10):  # + room for the multipart framing
-            return JSONResponse({"error": f"upload is larger than {max_upload_bytes >> 20} MiB; send a smaller "
-                                          "image"}, status_code=413)
-        return await call_next(request)
+    app.add_middleware(UploadLimit, limit=max_upload_bytes + MULTIPART_ROOM,
+                       message=_too_large_message(max_upload_bytes))
 
     @app.post("/api/search", response_model=SearchResponse, responses=_ERRORS, tags=["search"])
     async def search(image: UploadFile = File(..., description="the query image (JPEG, PNG, WebP, ...)"),
                      k: int = Query(SEARCH_K, description="number of neighbours, 1 to the server's max_k")):
         """The `k` indexed images most similar to the uploaded one, best first (cosine similarity)."""
         data = await _read_upload(image, max_upload_bytes)
-        (res,) = await run_in_threadpool(engine.search, [data], k)
-        return {"generation": res.generation, "k": k, "results": [_with_url(h) for h in res.hits],
+        (res,) = await engine.search_async([data], k)
+        return {"generation": res.generation, "k": k, "results": [_public(h) for h in res.hits],
                 "timings": res.timings, "batch_size": res.batch_size}
 
     @app.post("/api/classify", response_model=ClassifyResponse, responses=_ERRORS, tags=["search"])
@@ -188,29 +260,34 @@ def create_app(engine: SearchEngine | str | os.PathLike, max_upload_bytes: int =
                        temperature: float = Query(KNN_TEMPERATURE, description="vote weight exp(score / T)")):
         """k-NN classification: labeled neighbours vote with weight exp(score / temperature)."""
         data = await _read_upload(image, max_upload_bytes)
-        (res,) = await run_in_threadpool(engine.classify, [data], k, temperature)
-        return {"generation": res.generation, "k": k, "temperature": temperature, "label": res.label,
-                "probabilities": res.probabilities, "neighbors": [_with_url(h) for h in res.neighbors],
-                "timings": res.timings}
+        (res,) = await engine.classify_async([data], k, temperature)
+        return {"generation": res.generation, "k": k, "temperature": temperature, "label": display_name(res.label),
+                "probabilities": {display_name(label): p for label, p in res.probabilities.items()},
+                "neighbors": [_public(h) for h in res.neighbors], "timings": res.timings}
 
     @app.get("/api/items/{item_id}", response_model=Item, responses=_ERRORS, tags=["items"])
     def item(item_id: int):
         """An indexed item's record: relative path, label, size, sha256, duplicate_of."""
-        return _with_url(engine.item(item_id))
+        return _public(engine.item(item_id))
 
-    @app.get("/api/items/{item_id}/image", responses=_ERRORS, response_class=FileResponse, tags=["items"])
+    @app.get("/api/items/{item_id}/image", responses=_ERRORS, response_class=Response, tags=["items"])
     def item_image(item_id: int):
-        """An indexed item's image file, as stored."""
-        path, _ = engine.image_file(item_id)
-        media_type = mimetypes.guess_type(path.name)[0] or "application/octet-stream"
-        return FileResponse(path, media_type=media_type)
+        """An indexed item's image file, as stored; 410 when the file is no longer the one indexed (deleted,
+        replaced, changed, or now resolving outside the image folder)."""
+        f, st, rec = engine.open_image(item_id)
+        media_type = mimetypes.guess_type(display_name(rec["path"]))[0] or "application/octet-stream"
+        headers = {"Content-Length": str(st.st_size), "Cache-Control": "no-cache"}
+        if st.st_size <= SMALL_FILE_BYTES:  # the usual case: one read, no streaming machinery
+            with f:
+                return Response(f.read(), media_type=media_type, headers=headers)
+        return StreamingResponse(_chunks(f), media_type=media_type, headers=headers)
 
     @app.get("/api/items/{item_id}/neighbors", response_model=SearchResponse, responses=_ERRORS, tags=["items"])
     def neighbors(item_id: int, k: int = Query(SEARCH_K, description="number of neighbours")):
         """The `k` items most similar to an indexed item (the item itself left out)."""
         res = engine.search_by_id(item_id, k)
-        return {"generation": res.generation, "k": k, "results": [_with_url(h) for h in res.hits],
-                "timings": res.timings, "batch_size": res.batch_size, "query": _with_url(res.query)}
+        return {"generation": res.generation, "k": k, "results": [_public(h) for h in res.hits],
+                "timings": res.timings, "batch_size": res.batch_size, "query": _public(res.query)}
 
     @app.get("/api/health", response_model=Health, tags=["service"])
     def health():
@@ -221,11 +298,19 @@ def create_app(engine: SearchEngine | str | os.PathLike, max_upload_bytes: int =
     @app.get("/api/stats", tags=["service"])
     def stats():
         """Items, labels with counts, model, index type and measured recall@10, queries served."""
-        return engine.stats()
+        stats = engine.stats()
+        return dict(stats, labels={display_name(label): n for label, n in stats["labels"].items()})
 
-    @app.api_route("/api/{rest:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"], include_in_schema=False)
-    def unknown_endpoint(rest: str):
+    @app.api_route("/api/{rest:path}", methods=["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"],
+                   include_in_schema=False)
+    def unknown_endpoint(request: Request, rest: str):
         # registered last: keeps unknown /api/ paths from falling through to the UI mounted at "/"
+        path = request.url.path
+        allowed = sorted({m for r in app.router.routes if isinstance(r, APIRoute) and r.endpoint is not unknown_endpoint
+                          and r.path_regex.match(path) for m in r.methods})
+        if allowed:  # a real endpoint, asked with another method
+            raise StarletteHTTPException(405, f"{request.method} is not allowed on {path}; use {' or '.join(allowed)}",
+                                         headers={"Allow": ", ".join(allowed)})
         raise StarletteHTTPException(404, f"no endpoint /api/{rest}; see /docs for the API")
 
     return app

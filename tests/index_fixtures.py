@@ -73,3 +73,55 @@ def write_corpus(root: Path, per_class: int = 3) -> dict:
     (root / ".hidden.png").write_bytes(png)         # hidden: ignored
     (root / "square/readme.txt").write_text("hi")   # not an image extension: ignored
     return {"good": sorted(good + [copy]), "bad": sorted(BAD_FILES), "duplicate": (original, copy)}
+
+
+class SyntheticEmbedder:
+    """An embedder (see ``indexer.embed``) that never opens the files: each path gets a fixed unit vector near one
+    of ``clusters`` centres, so index tests exercise the whole build path in milliseconds. Its "encoder" is a
+    small placeholder file (copied into the generations like a real encoder; nothing here runs it)."""
+
+    def __init__(self, folder: Path, d: int = 32, clusters: int = 8):
+        import hashlib
+        from types import SimpleNamespace
+
+        import numpy as np
+
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / "synthetic.onnx"
+        path.write_bytes(f"synthetic encoder, {d}-d".encode())
+        self.d = d
+        self.centres = np.random.default_rng(0).normal(size=(clusters, d)).astype(np.float32)
+        self.encoder = SimpleNamespace(path=path, sha256=hashlib.sha256(path.read_bytes()).hexdigest(),
+                                       embedding_dim=d, provider="synthetic",
+                                       metadata={"arch": "synthetic", "image_size": 32, "embedding_dim": d})
+        self.calls: list[int] = []  # files embedded per call
+
+    def vector(self, rel: str):
+        import hashlib
+
+        import numpy as np
+
+        seed = int(hashlib.sha256(rel.encode()).hexdigest()[:16], 16)
+        rng = np.random.default_rng(seed)
+        x = self.centres[seed % len(self.centres)] + 0.5 * rng.normal(size=self.d).astype(np.float32)
+        return (x / np.linalg.norm(x)).astype(np.float32)
+
+    def embed_into(self, entries, shards, progress: bool = False) -> dict:
+        import hashlib
+
+        pending = [e for e in entries if shards.lookup(e.path, e.bytes, e.mtime_ns) is None]
+        for e in pending:
+            shards.add({"path": e.path, "stat_bytes": e.bytes, "mtime_ns": e.mtime_ns,
+                        "sha256": hashlib.sha256(f"{e.path}:{e.mtime_ns}".encode()).hexdigest(), "width": 32,
+                        "height": 32, "bytes": e.bytes, "error": None}, self.vector(f"{e.path}:{e.mtime_ns}"))
+        shards.flush()
+        self.calls.append(len(pending))
+        return {"embedded": len(pending), "resumed": len(entries) - len(pending), "embed": 0.0, "decode_wait": 0.0,
+                "encoder": 0.0, "decode_cpu": 0.0}
+
+
+def touch_files(root: Path, names) -> None:
+    """Create empty files (the scan only stats them; a SyntheticEmbedder never reads them)."""
+    for name in names:
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).touch()

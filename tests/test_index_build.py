@@ -30,16 +30,9 @@ def _cfg(data: Path, model: Path, out: Path, **kw) -> IndexConfig:
     return IndexConfig(str(data), str(model), str(out), **values)
 
 
-def _faiss_ids(index: faiss.Index) -> set[int]:
-    if isinstance(index, faiss.IndexIDMap):
-        return set(faiss.vector_to_array(index.id_map).tolist())
-    invlists = faiss.extract_index_ivf(index).invlists
-    ids = []
-    for list_no in range(invlists.nlist):
-        n = invlists.list_size(list_no)
-        if n:
-            ids.extend(faiss.rev_swig_ptr(invlists.get_ids(list_no), n).tolist())
-    return set(ids)
+def _faiss_ids(index) -> set[int]:
+    """Every live id the generation's FAISS parts hold (base - removed + delta)."""
+    return set(index.ids().tolist())
 
 
 def _live(d: IndexDirectory) -> dict[str, int]:
@@ -175,7 +168,7 @@ def test_index__resume_after_sigkill_equals_uninterrupted_run(shapes_dir, index_
     deadline = time.monotonic() + 120
     try:
         while time.monotonic() < deadline and proc.poll() is None:
-            if len(list((killed / "work").glob("*.done"))) >= 3:
+            if len(list((killed / "work").rglob("shard_*.done"))) >= 3:
                 break
             time.sleep(0.005)
         assert proc.poll() is None, "indexing finished before it could be killed"
@@ -195,6 +188,111 @@ def test_index__resume_after_sigkill_equals_uninterrupted_run(shapes_dir, index_
         vb = np.stack([b.index.reconstruct(i) for i in ids])
         np.testing.assert_allclose(va, vb, atol=1e-5)
         assert [a.record(i) for i in ids] == [b.record(i) for i in ids]
+
+
+# A `moco index` run SIGKILLed at a chosen point of each phase: the patches run in the child before its main().
+_KILL_AT = {
+    # the folder was scanned, nothing embedded yet
+    "after_scan": "orig = build.scan_folder\n"
+                  "build.scan_folder = lambda *a, **k: (orig(*a, **k), die())[0]",
+    # two shards finished, the third one being written
+    "mid_embedding": "orig, calls = WorkShards.flush, [0]\n"
+                     "def flush(self):\n"
+                     "    calls[0] += 1\n"
+                     "    if calls[0] == 3: die()\n"
+                     "    orig(self)\n"
+                     "WorkShards.flush = flush",
+    # staging store and vector block committed, the FAISS index being built
+    "mid_faiss_build": "faiss_index.build_index = lambda *a, **k: die()",
+    # the generation renamed into place, CURRENT about to be replaced
+    "at_publish": "orig = layout.write_text_atomic\n"
+                  "layout.write_text_atomic = lambda path, text: die() if path.name == 'CURRENT' else orig(path, text)",
+}
+_KILLED_RUN = """
+import os, signal, sys
+import indexer.build as build, indexer.faiss_index as faiss_index, indexer.layout as layout
+from indexer.shards import WorkShards
+def die():
+    os.kill(os.getpid(), signal.SIGKILL)
+{patch}
+from app.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def _change_corpus(data: Path) -> None:
+    """The update every kill-point run makes: 6 new files, one removed, one rewritten."""
+    rng = np.random.default_rng(5)
+    for i in range(6):
+        draw_shape("ring", rng, 32).save(data / "ring" / f"added_{i}.png")
+    sorted(data.rglob("*.png"))[0].unlink()
+    changed = sorted(data.rglob("*.png"))[3]
+    draw_shape("cross", rng, 32).save(changed)
+    st = changed.stat()
+    os.utime(changed, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+
+
+@pytest.fixture(scope="module")
+def small_corpus(shapes_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("small") / "images"
+    for path in sorted(shapes_dir.rglob("*.png"))[::8]:  # 12 images, every class
+        (root / path.parent.name).mkdir(parents=True, exist_ok=True)
+        shutil.copy2(path, root / path.parent.name / path.name)
+    for label in ("ring", "cross"):
+        (root / label).mkdir(exist_ok=True)
+    return root
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_update(small_corpus, index_encoder, tmp_path_factory):
+    """The reference: the first build and the update, neither interrupted."""
+    work = tmp_path_factory.mktemp("reference")
+    data = work / "images"
+    shutil.copytree(small_corpus, data)
+    build_index_dir(_cfg(data, index_encoder, work / "index", shard_size=2))
+    _change_corpus(data)
+    build_index_dir(_cfg(data, index_encoder, work / "index", shard_size=2))
+    return work / "index"
+
+
+@pytest.mark.parametrize("phase", sorted(_KILL_AT))
+def test_index__sigkill_at_each_phase_of_an_update_keeps_the_old_generation_and_recovers(
+        phase, small_corpus, index_encoder, uninterrupted_update, tmp_path):
+    data, out = tmp_path / "images", tmp_path / "index"
+    shutil.copytree(small_corpus, data)
+    build_index_dir(_cfg(data, index_encoder, out, shard_size=2))
+    _change_corpus(data)
+    cmd = [sys.executable, "-c", _KILLED_RUN.format(patch=_KILL_AT[phase]), "index", str(data), "--model",
+           str(index_encoder), "--out", str(out), "--workers", "0", "--batch-size", "2", "--shard-size", "2",
+           "--no-progress"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    left = {p.name for p in (out / "generations").iterdir()}
+    done = len(list((out / "work").glob("*.done"))) if (out / "work").exists() else 0
+    assert {  # it died where it was meant to
+        "after_scan": done == 0 and left == {"g000001"},
+        "mid_embedding": done == 2 and left == {"g000001"},
+        "mid_faiss_build": done == 4 and any(n.startswith(".tmp-") for n in left),
+        "at_publish": done == 4 and left == {"g000001", "g000002"},
+    }[phase], (done, left)
+    assert current_generation(out) == "g000001"  # the old generation is still the live one, and whole
+    with IndexDirectory.open(out) as d:
+        assert _faiss_ids(d.index) == set(_live(d).values()) and d.index.ntotal == d.manifest.count
+
+    recovered = build_index_dir(_cfg(data, index_encoder, out, shard_size=2))
+    assert recovered.published and recovered.generation == "g000002"
+    if phase in ("mid_faiss_build", "at_publish"):
+        assert recovered.resumed == 7 and recovered.embedded == 0  # the finished shards were kept
+    generations = sorted(p.name for p in (out / "generations").iterdir())
+    assert generations == ["g000001", "g000002"] and not (out / "work").exists()  # no staging, no orphans
+    with IndexDirectory.open(out) as got, IndexDirectory.open(uninterrupted_update) as want:
+        assert _faiss_ids(got.index) == set(_live(got).values())
+        assert _live(got) == _live(want)
+        blocks = {p.name.split(".")[0] for p in (out / "vectors").iterdir()}
+        assert blocks == set(got.manifest.vector_blocks)  # no vector block that no manifest lists
+        ids = sorted(_live(got).values())
+        np.testing.assert_allclose(np.stack([got.index.reconstruct(i) for i in ids]),
+                                   np.stack([want.index.reconstruct(i) for i in ids]), atol=1e-5)
 
 
 def test_index__other_model_is_refused_and_rebuild_starts_over(built, corpus, index_encoder, other_encoder,

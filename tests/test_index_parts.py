@@ -17,7 +17,7 @@ from indexer.faiss_index import build_index, choose_factory, exact_knn, recall_a
 from indexer.layout import IndexLayout, current_generation
 from indexer.metadata import MetadataStore
 from indexer.scan import read_labels_csv, scan_folder
-from indexer.shards import WorkShards
+from indexer.shards import WorkShards, discard_other_models
 
 
 def _clustered(n: int, d: int = 32, clusters: int = 20, seed: int = 0) -> np.ndarray:
@@ -133,13 +133,31 @@ def test_shards__only_finished_shards_survive_and_other_model_discards(tmp_path)
     for i in range(5):
         shards.add({"path": f"{i}.png", "stat_bytes": i, "mtime_ns": i}, np.full(4, i, dtype=np.float32))
     # 2 finished shards; the 5th result is pending (as if the process were killed now)
-    (tmp_path / "work" / "shard_000009.vec.npy").write_bytes(b"half-written")  # no .done marker
+    (shards.dir / "shard_000_000009.vec.npy").write_bytes(b"half-written")  # this rank's, no .done marker
+    (shards.dir / "shard_001_000000.vec.npy").write_bytes(b"being written")  # another rank's: left alone
     again = WorkShards(tmp_path / "work", "sha-a", 4, shard_size=2)
-    assert len(again) == 4 and not (tmp_path / "work" / "shard_000009.vec.npy").exists()
+    assert len(again) == 4 and not (shards.dir / "shard_000_000009.vec.npy").exists()
+    assert (shards.dir / "shard_001_000000.vec.npy").exists()
     assert again.lookup("3.png", 3, 3) is not None and again.lookup("3.png", 3, 4) is None  # changed mtime
     np.testing.assert_array_equal(again.vector("3.png"), np.full(4, 3))
     assert again.lookup("4.png", 4, 4) is None
-    assert len(WorkShards(tmp_path / "work", "sha-b", 4)) == 0
+    other = WorkShards(tmp_path / "work", "sha-b", 4)
+    assert len(other) == 0
+    discard_other_models(tmp_path / "work", other.dir)
+    assert not shards.dir.exists() and other.dir.exists()
+
+
+def test_shards__ranks_write_their_own_and_read_everyones(tmp_path):
+    rank1 = WorkShards(tmp_path / "work", "sha-a", 4, shard_size=2, rank=1, dtype=np.float16)
+    rank1.add({"path": "b.png", "stat_bytes": 1, "mtime_ns": 1}, np.full(4, 0.5, dtype=np.float32))
+    rank1.flush()
+    rank0 = WorkShards(tmp_path / "work", "sha-a", 4, shard_size=2, rank=0)
+    rank0.add({"path": "a.png", "stat_bytes": 1, "mtime_ns": 1}, np.full(4, 0.25, dtype=np.float32))
+    rank0.flush()
+    assert sorted(p.name for p in rank0.dir.glob("*.done")) == ["shard_000_000000.done", "shard_001_000000.done"]
+    assert rank0.lookup("b.png", 1, 1) is not None and rank0.vector("b.png").dtype == np.float32
+    np.testing.assert_array_equal(rank0.vectors(["a.png", "b.png"]), [[0.25] * 4, [0.5] * 4])
+    assert np.load(rank1.dir / "shard_001_000000.vec.npy").dtype == np.float16
 
 
 # -- scanning ---------------------------------------------------------------------------------------------------

@@ -222,3 +222,31 @@ def test_engine__answers_a_clear_error_after_close(served_index, serve_corpus):
     engine.close()
     with pytest.raises(ArtifactError, match="was closed"):
         engine.search([_images(serve_corpus)[0]], k=1)
+
+
+def test_search_async__same_answer_as_search_and_a_cancelled_request_releases_its_generation(served_engine,
+                                                                                              serve_corpus):
+    import asyncio
+
+    data = _images(serve_corpus)[7].read_bytes()
+    (want,) = served_engine.search([data], k=5)
+    gen = served_engine._current
+
+    async def scenario():
+        (got,) = await served_engine.search_async([data], k=5)
+        task = asyncio.ensure_future(served_engine.search_async([data], k=5))
+        await asyncio.sleep(0)  # started: its decode is on a decode thread
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(200):  # the decode and the batch finish on their own threads, then let go
+            if gen._refs == 0:
+                break
+            await asyncio.sleep(0.01)
+        return got
+
+    got = asyncio.run(scenario())
+    assert [h["id"] for h in got.hits] == [h["id"] for h in want.hits]
+    assert gen._refs == 0
+    with pytest.raises(DataError, match="not a readable image"):
+        asyncio.run(served_engine.search_async([b"not an image"], k=5))

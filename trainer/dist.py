@@ -17,29 +17,13 @@ from __future__ import annotations
 
 import datetime
 import logging
-import os
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as tdist
 
+from contracts.launch import WorldInfo, world_info_from_env  # noqa: F401 (re-exported: the one home)
+
 LOG = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class WorldInfo:
-    local_rank: int
-    rank: int
-    world_size: int
-
-
-def world_info_from_env() -> WorldInfo:
-    """Read the launcher's environment (torchrun, or SLURM's variables when torchrun's are absent)."""
-    env = os.environ
-    local_rank = int(env.get("LOCAL_RANK", env.get("SLURM_LOCALID", 0)))
-    rank = int(env.get("RANK", env.get("SLURM_PROCID", 0)))
-    world_size = int(env.get("WORLD_SIZE", env.get("SLURM_NTASKS", 1)))
-    return WorldInfo(local_rank, rank, world_size)
 
 
 def init(device: torch.device) -> WorldInfo:

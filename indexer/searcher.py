@@ -1,0 +1,217 @@
+"""Searching one generation: its base FAISS index minus the base ids removed since (tombstones), plus the
+small delta index of items added since, as one index; re-ranked with stored vectors for compressed codes.
+
+:class:`LayeredIndex` has the ``search`` / ``reconstruct`` / ``ntotal`` / ``d`` of a FAISS index, so the
+server uses it as one. Removed ids are excluded inside FAISS with an ``IDSelector`` in the search parameters
+(IVF, HNSW and flat indexes all honour it), where the tuned ``nprobe`` / ``efSearch`` travel too; where an
+index cannot take a selector (a GPU copy, a custom factory string) it is searched ``len(removed)`` deeper
+and the removed ids are dropped, which is exact. Results of base and delta are merged by score.
+
+For IVF-PQ the codes alone cap recall (0.38 at 100k x 512 in ``bench/results/faiss_indexes_cpu2.json``),
+so candidates are re-ranked: ``refine`` x k candidates are fetched and scored exactly against their stored
+vectors (:class:`indexer.vectors.BlockVectors`, float16 blocks on disk, memory-mapped).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import faiss
+import numpy as np
+
+LOG = logging.getLogger(__name__)
+
+GPU_MAX_K = 2048  # FAISS GPU search returns at most this many neighbours (and probes at most this many lists)
+
+
+def unwrap(index: faiss.Index) -> faiss.Index:
+    """The index inside an ``IDMap`` / ``IDMap2`` wrapper (downcast), or ``index`` itself."""
+    index = faiss.downcast_index(index)
+    if isinstance(index, (faiss.IndexIDMap, faiss.IndexIDMap2)):
+        return faiss.downcast_index(index.index)
+    return index
+
+
+def takes_parameters(index: faiss.Index) -> bool:
+    """True when ``index.search(..., params=...)`` honours a selector and our nprobe / efSearch directly."""
+    index = faiss.downcast_index(index)
+    if isinstance(index, faiss.IndexIVF):
+        return True
+    if isinstance(index, (faiss.IndexIDMap, faiss.IndexIDMap2)):
+        inner = unwrap(index)
+        return isinstance(inner, (faiss.IndexFlat, faiss.IndexHNSW)) or hasattr(inner, "hnsw")
+    return isinstance(index, faiss.IndexFlat)
+
+
+def search_parameters(index: faiss.Index, params: dict, sel=None):
+    """FAISS search parameters for ``index`` carrying the tuned ``params`` and an optional selector, or
+    ``None`` for index types that cannot take them (see :func:`takes_parameters`)."""
+    if not takes_parameters(index):
+        return None
+    ivf = faiss.try_extract_index_ivf(index)
+    if ivf is not None:
+        p = faiss.SearchParametersIVF()
+        p.nprobe = int(params.get("nprobe", ivf.nprobe))
+    elif hasattr(unwrap(index), "hnsw"):
+        p = faiss.SearchParametersHNSW()
+        p.efSearch = int(params.get("efSearch", unwrap(index).hnsw.efSearch))
+    else:
+        p = faiss.SearchParameters()
+    if sel is not None:
+        p.sel = sel
+    return p
+
+
+def index_ids(index: faiss.Index) -> np.ndarray:
+    """Every id stored in ``index`` (IDMap or IVF), sorted."""
+    index = faiss.downcast_index(index)
+    if isinstance(index, (faiss.IndexIDMap, faiss.IndexIDMap2)):
+        return np.sort(faiss.vector_to_array(index.id_map).astype(np.int64))
+    invlists = faiss.extract_index_ivf(index).invlists
+    ids = [faiss.rev_swig_ptr(invlists.get_ids(i), invlists.list_size(i)).copy()
+           for i in range(invlists.nlist) if invlists.list_size(i)]
+    return np.sort(np.concatenate(ids).astype(np.int64)) if ids else np.zeros(0, dtype=np.int64)
+
+
+def merge_results(parts: list[tuple[np.ndarray, np.ndarray]], k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The best ``k`` of several ``(D, I)`` results (inner product: larger is better; -1 pads)."""
+    D = np.concatenate([p[0] for p in parts], axis=1).astype(np.float32, copy=False)
+    I = np.concatenate([p[1] for p in parts], axis=1)
+    D = np.where(I < 0, -np.inf, D)
+    if D.shape[1] < k:
+        pad = k - D.shape[1]
+        D = np.pad(D, ((0, 0), (0, pad)), constant_values=-np.inf)
+        I = np.pad(I, ((0, 0), (0, pad)), constant_values=-1)
+    order = np.argsort(-D, axis=1, kind="stable")[:, :k]
+    return np.take_along_axis(D, order, 1), np.take_along_axis(I, order, 1)
+
+
+class LayeredIndex:
+    """base - removed + delta, searched as one index (see the module docstring).
+
+    Args:
+        base: the base FAISS index (CPU; memory-mapped or on disk is fine).
+        delta: FAISS index of the items added since the base, or ``None``.
+        removed: int64 base ids removed since the base.
+        params: the tuned ``{"nprobe": n}`` / ``{"efSearch": n}`` / ``{"refine": r}``.
+        vectors: stored vectors by id (``BlockVectors``), for re-ranking when ``params`` has ``refine``, and
+            for :meth:`reconstruct` where the index cannot give vectors back; or a callable opening them
+            when first needed.
+        gpu: a GPU copy of ``base`` (``indexer.faiss_gpu.GpuCopy``) searched when it can answer.
+    """
+
+    def __init__(self, base: faiss.Index, delta: faiss.Index | None = None, removed: np.ndarray | None = None,
+                 params: dict | None = None, vectors=None, gpu=None):
+        self.base = base
+        self.delta = delta if delta is not None and delta.ntotal > 0 else None
+        self.removed = np.unique(np.asarray(removed if removed is not None else [], dtype=np.int64))
+        self.params = dict(params or {})
+        self.refine = int(self.params.get("refine", 0))
+        self.gpu = gpu
+        self._vectors = vectors
+        self.d = base.d
+        self.base_ntotal = int(base.ntotal)
+        self.ntotal = self.base_ntotal - len(self.removed) + (int(self.delta.ntotal) if self.delta else 0)
+        self._selector = None
+        if len(self.removed):
+            self._batch = faiss.IDSelectorBatch(self.removed)  # referenced: the Not selector does not own it
+            self._selector = faiss.IDSelectorNot(self._batch)
+        self._base_params = search_parameters(base, self.params, self._selector)
+        self._delta_params = search_parameters(self.delta, self.params) if self.delta is not None else None
+
+    @property
+    def vectors(self):
+        if callable(self._vectors):
+            self._vectors = self._vectors()
+        return self._vectors
+
+    def __repr__(self) -> str:
+        return (f"LayeredIndex(base={self.base_ntotal}, removed={len(self.removed)}, "
+                f"delta={self.delta.ntotal if self.delta else 0}, params={self.params})")
+
+    # -- search ---------------------------------------------------------------------------------------------
+    def _drop_removed(self, D: np.ndarray, I: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        if len(self.removed):
+            gone = np.isin(I, self.removed)
+            I = np.where(gone, -1, I)
+        return merge_results([(D, I)], k)
+
+    def _search_base(self, xq: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        deeper = min(self.base_ntotal, k + len(self.removed))
+        if self.gpu is not None and self.gpu.can_search(deeper):
+            D, I = self.gpu.search(xq, deeper)
+            return self._drop_removed(D, I, k)
+        if self._base_params is not None:
+            return self.base.search(xq, k, params=self._base_params)
+        D, I = self.base.search(xq, max(1, deeper))
+        return self._drop_removed(D, I, k)
+
+    def search(self, xq: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """``xq`` float32 ``[n, d]`` -> ``(D, I)`` float32 / int64 ``[n, k]``, best first (-1 pads)."""
+        xq = np.ascontiguousarray(xq, dtype=np.float32)
+        fetch = k * self.refine if self.refine > 1 else k
+        parts = [self._search_base(xq, fetch)] if self.base_ntotal else []
+        if self.delta is not None:
+            kd = max(1, min(fetch, int(self.delta.ntotal)))
+            parts.append(self.delta.search(xq, kd, params=self._delta_params) if self._delta_params is not None
+                         else self.delta.search(xq, kd))
+        if not parts:
+            return (np.full((len(xq), k), -np.inf, dtype=np.float32), np.full((len(xq), k), -1, dtype=np.int64))
+        D, I = merge_results(parts, fetch)
+        if self.refine > 1 and self.vectors is not None:
+            D, I = self._rerank(xq, I, k)
+        return merge_results([(D, I)], k) if D.shape[1] != k else (D, I)
+
+    def _rerank(self, xq: np.ndarray, I: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """Exact inner products of the candidates ``I`` with their stored vectors; the best ``k``."""
+        flat = I.ravel()
+        found, vec = self.vectors.get(np.where(flat >= 0, flat, 0))
+        vec = vec.reshape(I.shape[0], I.shape[1], -1)
+        D = np.einsum("qd,qkd->qk", xq, vec)
+        ok = (I >= 0) & found.reshape(I.shape)
+        return merge_results([(np.where(ok, D, -np.inf), np.where(ok, I, -1))], k)
+
+    # -- vectors and ids -------------------------------------------------------------------------------------
+    def reconstruct(self, item_id: int) -> np.ndarray:
+        """The stored vector ``[d]`` of a live id.
+
+        Raises:
+            RuntimeError: a removed or unknown id, or one no part can give back (as FAISS does).
+        """
+        item_id = int(item_id)
+        pos = np.searchsorted(self.removed, item_id)
+        if pos < len(self.removed) and self.removed[pos] == item_id:
+            raise RuntimeError(f"id {item_id} was removed")
+        for part in (self.delta, self.base):
+            if part is None:
+                continue
+            try:
+                return np.asarray(part.reconstruct(item_id), dtype=np.float32)
+            except RuntimeError:
+                continue
+        vectors = self.vectors
+        if vectors is not None:
+            found, vec = vectors.get(np.array([item_id]))
+            if found[0]:
+                return vec[0]
+        raise RuntimeError(f"no stored vector for id {item_id}")
+
+    def ids(self) -> np.ndarray:
+        """Every live id, sorted."""
+        base = index_ids(self.base)
+        if len(self.removed):
+            base = base[~np.isin(base, self.removed)]
+        if self.delta is None:
+            return base
+        return np.sort(np.concatenate([base, index_ids(self.delta)]))
+
+
+def open_vectors_lazily(opener: Callable[[], object]) -> Callable[[], object]:
+    """Wrap ``opener`` so that a failure to open the blocks (gone with a compaction) reads as "no vectors"."""
+    def lazy():
+        try:
+            return opener()
+        except Exception as exc:  # ArtifactError or OSError: reconstruct then says "no stored vector"
+            LOG.debug("stored vectors unavailable: %s", exc)
+            return None
+    return lazy
