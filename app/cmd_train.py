@@ -10,11 +10,12 @@ LOG = logging.getLogger(__name__)
 EPILOG_TRAIN = """\
 what --recipe auto does (the default):
   Options you leave unset are derived from your batch size, number of images and time budget, with what
-  learned in short runs of our learning curves: the batch (1/32 of the images, 32-256), the learning rate
-  (8-16x the papers' base lr, with a cap at larger batches), T = 0.2, the v2 queue (about a fifth of the
-  images), the key momentum (v2: an EMA time constant of 1/20 of the run), a 1-epoch warm-up for v3 and, on
-  a CPU, the cheap ImageNet stem. config.json records every derived value and why. --recipe paper uses the
-  MoCo papers' values instead (made for batches of 256-4096 and hundreds of epochs).
+  learned in short runs of our learning curves: the batch (32 on a CPU, where more steps beat bigger
+  batches; on a GPU 1/32 of the images, 32-256), the learning rate (8-16x the papers' base lr, with a cap at
+  larger batches), T = 0.2, the v2 queue (about a fifth of the images), the key momentum (v2: an EMA time
+  constant of 1/20 of the run), a 1-epoch warm-up for v3 and, on a CPU, the cheap ImageNet stem.
+  config.json records every derived value and why. --recipe paper uses the MoCo papers' values instead
+  (made for batches of 256-4096 and hundreds of epochs).
 
 --time-budget:
   The first minute's measured speed sets the number of steps; the learning-rate, momentum and warm-up

@@ -202,15 +202,15 @@ _KILL_AT = {
                      "    if calls[0] == 3: die()\n"
                      "    orig(self)\n"
                      "WorkShards.flush = flush",
-    # staging store and vector block committed, the FAISS index being built
-    "mid_faiss_build": "faiss_index.build_index = lambda *a, **k: die()",
+    # staging store and vector block committed, the FAISS parts being built (an update adds a delta index)
+    "mid_faiss_build": "faiss_index.build_index = update.update_faiss = lambda *a, **k: die()",
     # the generation renamed into place, CURRENT about to be replaced
     "at_publish": "orig = layout.write_text_atomic\n"
                   "layout.write_text_atomic = lambda path, text: die() if path.name == 'CURRENT' else orig(path, text)",
 }
 _KILLED_RUN = """
 import os, signal, sys
-import indexer.build as build, indexer.faiss_index as faiss_index, indexer.layout as layout
+import indexer.build as build, indexer.faiss_index as faiss_index, indexer.layout as layout, indexer.update as update
 from indexer.shards import WorkShards
 def die():
     os.kill(os.getpid(), signal.SIGKILL)
@@ -268,7 +268,7 @@ def test_index__sigkill_at_each_phase_of_an_update_keeps_the_old_generation_and_
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     left = {p.name for p in (out / "generations").iterdir()}
-    done = len(list((out / "work").glob("*.done"))) if (out / "work").exists() else 0
+    done = len(list((out / "work").rglob("shard_*.done")))  # finished work shards (work/<model>/)
     assert {  # it died where it was meant to
         "after_scan": done == 0 and left == {"g000001"},
         "mid_embedding": done == 2 and left == {"g000001"},
