@@ -1,4 +1,4 @@
-"""MoCo learns with the auto recipe: a few hundred to a thousand CPU steps on the generated demo data, and the
+"""MoCo learns with the auto recipe: 75 to 2,000 CPU steps on the generated demo data, and the
 weighted k-NN accuracy of the trained backbone is clearly above the same backbone at random initialisation (the
 step-0 point).
 
@@ -8,8 +8,11 @@ a queue of a fifth of the images, a key momentum following the run's length, a s
 first get *worse* than random ones (the dip); the schedule's cosine has to take the run past it.
 
 The three runs are real ``moco train`` processes started together, one thread each, so each run's arithmetic
-does not depend on the machine's core count. The k-NN figures in each test were measured exactly so; training is
-deterministic on a given CPU, and the asserted margin of 6 points leaves room for another CPU's rounding.
+does not depend on the machine's core count. The k-NN figures in each test were measured so (on a CPU with
+native bf16, so in bf16; with the monitor every 4 epochs, one per epoch for the ViT); training is deterministic
+on a given CPU, and the asserted margin of 6 points leaves room for another CPU's rounding. On a CPU the auto
+recipe picks the ImageNet stem, about 9x cheaper per image than the small one at 32 px, so these runs take
+more steps than the small-stem runs they replaced in less time.
 """
 from __future__ import annotations
 
@@ -31,7 +34,7 @@ COMMON = ["--image-size", "32", "--workers", "0", "--device", "cpu", "--seed", "
 # name: (epochs, steps that makes, options); the auto recipe picks batch 32 for 1,600 images
 RECIPES = {
     "v2_resnet18": (28, 1400, ["--moco-version", "2", "--arch", "resnet18"]),
-    "v3_resnet18": (16, 800, ["--moco-version", "3", "--arch", "resnet18"]),
+    "v3_resnet18": (40, 2000, ["--moco-version", "3", "--arch", "resnet18"]),
     "v3_vit_tiny": (3, 75, ["--moco-version", "3", "--arch", "vit_tiny", "--patch-size", "8", "--batch-size", "64"]),
 }
 
@@ -76,12 +79,12 @@ def check_learned(trained: dict, name: str) -> None:
 
 
 def test_train_v2_resnet18__knn_accuracy_beats_random_init(trained):
-    check_learned(trained, "v2_resnet18")  # measured: 50.5% -> 87.6%
+    check_learned(trained, "v2_resnet18")  # measured: 49.6% -> 81.1% (61.5% at 600 steps)
 
 
 def test_train_v3_resnet18__knn_accuracy_beats_random_init(trained):
-    check_learned(trained, "v3_resnet18")  # measured: 50.5% -> 76.2%
+    check_learned(trained, "v3_resnet18")  # measured: 49.6% -> 79.8% (41.0% at 200 steps: the dip)
 
 
 def test_train_v3_vit_tiny__knn_accuracy_beats_random_init(trained):
-    check_learned(trained, "v3_vit_tiny")  # measured: 43.5% -> 54.9%
+    check_learned(trained, "v3_vit_tiny")  # measured: 44.1% -> 52.1%
