@@ -165,6 +165,26 @@ def test_train__ctrl_c_saves_mid_epoch_and_rerun_finishes_the_same_schedule(shap
     assert final["epoch"] == 1 and final["batch_in_epoch"] == 0 and final["step"] == 12  # no batch lost or repeated
 
 
+def test_train__ctrl_c_between_epochs_keeps_the_finished_epoch(shapes_dir, tmp_path, monkeypatch):
+    """A Ctrl-C during an epoch's end (metrics, evaluation, plot) used to lose every step since the last
+    checkpoint (checkpoints are written at most once a minute)."""
+    import trainer.train as train_module
+
+    real_append = train_module._append_jsonl
+
+    def interrupt_at_first_epoch_row(path, row):
+        real_append(path, row)
+        if row.get("kind") == "epoch" and row.get("epoch") == 1:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(train_module, "_append_jsonl", interrupt_at_first_epoch_row)
+    cfg = tiny_train_config(shapes_dir, tmp_path / "run", epochs=3, batch_size=8, queue_size=16)
+    with pytest.raises(KeyboardInterrupt):
+        train(cfg)
+    ckpt = load_checkpoint(tmp_path / "run")
+    assert ckpt["epoch"] == 1 and ckpt["batch_in_epoch"] == 0 and ckpt["step"] == 12
+
+
 def test_train__save_every_steps_writes_mid_epoch_checkpoints(shapes_dir, tmp_path):
     result = train(tiny_train_config(shapes_dir, tmp_path / "run", epochs=2, batch_size=8, queue_size=16,
                                      save_every_steps=5), stop_at_epoch=1)

@@ -105,6 +105,7 @@ class Session:
     eval_seconds: float = 0.0  # measured duration of one k-NN evaluation
     save_seconds: float = 1.0  # measured duration of one checkpoint write (a guess until the first)
     last_save: float = field(default_factory=time.perf_counter)
+    saved_step: int = 0  # the step checkpoint_last.pt holds (what a Ctrl-C would otherwise lose is after it)
     last_plot: float = 0.0
     generator: torch.Generator = field(default_factory=torch.Generator)
 
@@ -417,10 +418,7 @@ def run_epoch(s: Session, epoch: int, end_step: int) -> dict:
                 stopped = "time budget"
                 break
     except KeyboardInterrupt:
-        if s.is_main and dist.world_size() == 1 and s.batch_in_epoch > first_batch:
-            save(s)  # under DDP other ranks may be inside a collective
-            LOG.warning("interrupted: saved %s at epoch %d, batch %d (step %d)", s.run_dir / LAST, epoch + 1,
-                        s.batch_in_epoch, s.step)
+        _save_on_interrupt(s, epoch)
         raise
     finally:
         bar.close()
@@ -451,6 +449,16 @@ def save(s: Session) -> None:
     }, s.run_dir / LAST)
     s.last_save = time.perf_counter()
     s.save_seconds = s.last_save - tic
+    s.saved_step = s.step
+
+
+def _save_on_interrupt(s: Session, epoch: int) -> None:
+    """Ctrl-C: keep the steps done since the last checkpoint (one process only: under DDP other ranks may be
+    inside a collective)."""
+    if s.is_main and dist.world_size() == 1 and s.step > s.saved_step:
+        save(s)
+        LOG.warning("interrupted: saved %s at epoch %d, batch %d (step %d)", s.run_dir / LAST, epoch + 1,
+                    s.batch_in_epoch, s.step)
 
 
 # -- the run --------------------------------------------------------------------------------------------------------
@@ -476,51 +484,55 @@ def run(s: Session, stop_at_epoch: int | None = None) -> TrainResult:
         _append_jsonl(s.run_dir / METRICS, {"kind": "epoch", "epoch": 0, "step": 0, "knn_acc": knn_acc,
                                             "elapsed_s": _elapsed(s)})
     stopped = None
-    start_step = s.step
-    while s.step < end_step and stopped is None:
-        if s.budget is not None and _out_of_time(s):
-            stopped = "time budget"
-            break
-        epoch = s.epoch
-        s.ddp_model.train()
-        if s.batch_in_epoch == 0:  # inside an epoch the RNG states came back from the checkpoint
-            seed_everything(_epoch_seed(cfg.seed, epoch, dist.rank()))
-        stats = run_epoch(s, epoch, end_step)
-        stopped = stats["stopped"]
-        complete = s.batch_in_epoch >= s.steps_per_epoch
-        if complete:
-            s.epoch, s.batch_in_epoch = epoch + 1, 0
-        tic = time.perf_counter()
-        losses = stats["losses"] or [float("nan")]
-        loss_value = float(dist.all_reduce_mean(torch.tensor(float(np.mean(losses)))).item())
-        for part in dist.gather_objects(dict(s.skipped)):
-            s.skipped.update(part)
-        finished = stopped is not None or s.step >= end_step
-        knn_acc = None
-        knn_every = s.cfg.knn_every  # None until a budgeted run has planned its length
-        if s.monitor is not None and (finished or (complete and knn_every and s.epoch % knn_every == 0)):
-            t_eval = time.perf_counter()
-            knn_acc = s.monitor.evaluate(s.model.backbone, s.device)
-            s.eval_seconds = time.perf_counter() - t_eval
-        if s.is_main:
-            row = {"kind": "epoch", "epoch": epoch + 1 if complete else round(epoch + s.batch_in_epoch /
-                                                                              s.steps_per_epoch, 3),
-                   "step": s.step, "loss": loss_value, "lr": s.schedule.lr(max(0, s.step - 1)),
-                   "epoch_time_s": stats["seconds"], "images_per_s": stats["seen"] / max(1e-9, stats["seconds"]),
-                   "knn_acc": knn_acc, "elapsed_s": _elapsed(s)}
-            _append_jsonl(s.run_dir / METRICS, row)
-            _write_skipped(s.run_dir / SKIPPED, s.skipped)
-            knn_text = f", k-NN top-1 {100 * knn_acc:.2f}%" if knn_acc is not None else ""
-            LOG.info("epoch %s: loss %.4f, %.0f images/s%s", row["epoch"], loss_value, row["images_per_s"], knn_text)
-            keep = complete and (s.epoch % cfg.save_every == 0 or finished)
-            if finished or keep or time.perf_counter() - s.last_save >= CHECKPOINT_INTERVAL:
-                save(s)
-            if keep:
-                link_or_copy_atomic(s.run_dir / LAST, s.run_dir / f"checkpoint_{s.epoch:04d}.pt")
-            if finished or time.perf_counter() - s.last_plot >= PLOT_INTERVAL:
-                plot_metrics(s.run_dir / METRICS, s.run_dir / PLOT)
-                s.last_plot = time.perf_counter()
-        dist.barrier()
+    start_step = s.saved_step = s.step
+    try:
+        while s.step < end_step and stopped is None:
+            if s.budget is not None and _out_of_time(s):
+                stopped = "time budget"
+                break
+            epoch = s.epoch
+            s.ddp_model.train()
+            if s.batch_in_epoch == 0:  # inside an epoch the RNG states came back from the checkpoint
+                seed_everything(_epoch_seed(cfg.seed, epoch, dist.rank()))
+            stats = run_epoch(s, epoch, end_step)
+            stopped = stats["stopped"]
+            complete = s.batch_in_epoch >= s.steps_per_epoch
+            if complete:
+                s.epoch, s.batch_in_epoch = epoch + 1, 0
+            tic = time.perf_counter()
+            losses = stats["losses"] or [float("nan")]
+            loss_value = float(dist.all_reduce_mean(torch.tensor(float(np.mean(losses)))).item())
+            for part in dist.gather_objects(dict(s.skipped)):
+                s.skipped.update(part)
+            finished = stopped is not None or s.step >= end_step
+            knn_acc = None
+            knn_every = s.cfg.knn_every  # None until a budgeted run has planned its length
+            if s.monitor is not None and (finished or (complete and knn_every and s.epoch % knn_every == 0)):
+                t_eval = time.perf_counter()
+                knn_acc = s.monitor.evaluate(s.model.backbone, s.device)
+                s.eval_seconds = time.perf_counter() - t_eval
+            if s.is_main:
+                row = {"kind": "epoch", "epoch": epoch + 1 if complete else round(epoch + s.batch_in_epoch /
+                                                                                  s.steps_per_epoch, 3),
+                       "step": s.step, "loss": loss_value, "lr": s.schedule.lr(max(0, s.step - 1)),
+                       "epoch_time_s": stats["seconds"], "images_per_s": stats["seen"] / max(1e-9, stats["seconds"]),
+                       "knn_acc": knn_acc, "elapsed_s": _elapsed(s)}
+                _append_jsonl(s.run_dir / METRICS, row)
+                _write_skipped(s.run_dir / SKIPPED, s.skipped)
+                knn_text = f", k-NN top-1 {100 * knn_acc:.2f}%" if knn_acc is not None else ""
+                LOG.info("epoch %s: loss %.4f, %.0f images/s%s", row["epoch"], loss_value, row["images_per_s"], knn_text)
+                keep = complete and (s.epoch % cfg.save_every == 0 or finished)
+                if finished or keep or time.perf_counter() - s.last_save >= CHECKPOINT_INTERVAL:
+                    save(s)
+                if keep:
+                    link_or_copy_atomic(s.run_dir / LAST, s.run_dir / f"checkpoint_{s.epoch:04d}.pt")
+                if finished or time.perf_counter() - s.last_plot >= PLOT_INTERVAL:
+                    plot_metrics(s.run_dir / METRICS, s.run_dir / PLOT)
+                    s.last_plot = time.perf_counter()
+            dist.barrier()
+    except KeyboardInterrupt:  # between epochs: the evaluation, the metrics, the plot
+        _save_on_interrupt(s, s.epoch)
+        raise
     if s.resumed and s.step == start_step:
         LOG.info("%s already trained (%d steps); nothing to do", s.run_dir, s.step)
     if stopped is None:
