@@ -362,8 +362,7 @@ def _budget_control(s: Session) -> bool:
     0's clock decides both for every rank (each rank must follow the same schedule and stop at the same step)."""
     plan = _plan_total(s) if s.budget.calibration_due() and s.is_main else None
     stop = s.budget.should_stop(s.step) if s.is_main else False
-    if dist.world_size() > 1:
-        plan, stop = dist.broadcast_object((plan, stop))
+    plan, stop = dist.broadcast_object((plan, stop))
     if plan is not None:
         _apply_plan(s, plan)
         stop = stop or s.budget.should_stop(s.step)
@@ -417,9 +416,6 @@ def run_epoch(s: Session, epoch: int, end_step: int) -> dict:
             if s.budget is not None and _budget_control(s):
                 stopped = "time budget"
                 break
-    except KeyboardInterrupt:
-        _save_on_interrupt(s, epoch)
-        raise
     finally:
         bar.close()
     return {"losses": losses, "seen": seen, "seconds": time.perf_counter() - tic, "stopped": stopped}
@@ -427,8 +423,7 @@ def run_epoch(s: Session, epoch: int, end_step: int) -> dict:
 
 def _out_of_time(s: Session) -> bool:
     """Before an epoch of a budgeted run: whether the budget is already spent (rank 0's clock decides)."""
-    stop = s.budget.should_stop(s.step) if s.is_main else False
-    return bool(dist.broadcast_object(stop)) if dist.world_size() > 1 else stop
+    return bool(dist.broadcast_object(s.budget.should_stop(s.step) if s.is_main else False))
 
 
 def _elapsed(s: Session) -> float | None:
@@ -452,12 +447,12 @@ def save(s: Session) -> None:
     s.saved_step = s.step
 
 
-def _save_on_interrupt(s: Session, epoch: int) -> None:
-    """Ctrl-C: keep the steps done since the last checkpoint (one process only: under DDP other ranks may be
-    inside a collective)."""
+def _save_on_interrupt(s: Session) -> None:
+    """Ctrl-C, mid-epoch or between epochs: keep the steps done since the last checkpoint (one process only:
+    under DDP other ranks may be inside a collective)."""
     if s.is_main and dist.world_size() == 1 and s.step > s.saved_step:
         save(s)
-        LOG.warning("interrupted: saved %s at epoch %d, batch %d (step %d)", s.run_dir / LAST, epoch + 1,
+        LOG.warning("interrupted: saved %s at epoch %d, batch %d (step %d)", s.run_dir / LAST, s.epoch + 1,
                     s.batch_in_epoch, s.step)
 
 
@@ -530,8 +525,8 @@ def run(s: Session, stop_at_epoch: int | None = None) -> TrainResult:
                     plot_metrics(s.run_dir / METRICS, s.run_dir / PLOT)
                     s.last_plot = time.perf_counter()
             dist.barrier()
-    except KeyboardInterrupt:  # between epochs: the evaluation, the metrics, the plot
-        _save_on_interrupt(s, s.epoch)
+    except KeyboardInterrupt:
+        _save_on_interrupt(s)
         raise
     if s.resumed and s.step == start_step:
         LOG.info("%s already trained (%d steps); nothing to do", s.run_dir, s.step)
