@@ -32,9 +32,10 @@ def run_demo(out: str | Path, budget: str | None = None, device: str = "auto", s
     from trainer.train import train
 
     out = Path(out)
+    cfg = demo_train_config(out, budget, device)  # a bad --time-budget fails here, before any work
     data = write_demo_dataset(out / "data", per_class=DEMO_IMAGES_PER_CLASS, size=DEMO_IMAGE_SIZE * 2)
     print(f"demo images: {data} (8 pattern classes x {DEMO_IMAGES_PER_CLASS})", flush=True)
-    result = train(demo_train_config(out, budget, device))
+    result = train(cfg)
     print(knn_report(result), flush=True)
     print(f"run directory: {result.run_dir} (metrics.png shows the curves, config.json the recipe and why)")
     encoder = export_demo_encoder(result.run_dir, out)

@@ -43,6 +43,7 @@ from PIL import Image
 
 from contracts.atomic import output_errors, write_json_atomic
 from contracts.errors import DataError
+from contracts.filenames import display_name
 from contracts.images import FoundFile, decode_image
 
 LOG = logging.getLogger(__name__)
@@ -219,7 +220,7 @@ class ImageCache:
                 for f, (pixels, width, height, reason) in zip(todo, results):
                     bar.update(1)
                     if pixels is None:
-                        LOG.warning("skipping %s: %s", f.path, reason)
+                        LOG.warning("skipping %s: %s", display_name(f.path), reason)
                         index["failed"][f.path] = [f.bytes, f.mtime_ns, reason]
                         index["entries"].pop(f.path, None)
                         continue
@@ -234,8 +235,9 @@ class ImageCache:
             bar.close()
             if pool is not None:
                 pool.terminate()
-        LOG.info("cached %d images at %d px in %.1f s (%s)", len(todo), self.side, time.perf_counter() - tic,
-                 self.folder)
+        unreadable = sum(1 for f in todo if f.path in index["failed"])
+        LOG.info("cached %d images at %d px in %.1f s (%s)%s", len(todo) - unreadable, self.side,
+                 time.perf_counter() - tic, self.folder, f"; {unreadable} unreadable" if unreadable else "")
 
     def _compact_if_sparse(self, index: dict) -> Path | None:
         """Copy the live rows to a new pixels file when more than half of the rows are dead; returns the
