@@ -20,8 +20,8 @@ def register(sub) -> None:
                                    "random initialisation, export it to ONNX, index the images and serve them.")
     p.add_argument("--out", default="demo", help="folder for the demo's data and artifacts (default ./demo)")
     p.add_argument("--time-budget", default=None, metavar="DURATION",
-                   help=f"train for this long (e.g. 5m) instead of the default {DEMO_EPOCHS} epochs (1,400 steps, "
-                        "about 2.5 minutes on 2 CPU cores)")
+                   help=f"train for this long (e.g. 5m) instead of the default {DEMO_EPOCHS} epochs (432 steps of 256 "
+                        "images, about 3.5 minutes on 2 CPU cores)")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda (default auto)")
     p.add_argument("--no-serve", dest="serve", action="store_false",
                    help="stop after building the index instead of serving it (default: serve the web app at "

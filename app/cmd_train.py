@@ -10,10 +10,12 @@ LOG = logging.getLogger(__name__)
 EPILOG_TRAIN = """\
 what --recipe auto does (the default):
   Options you leave unset are derived from your batch size, number of images and time budget, with what
-  learned in short runs of our learning curves: the batch (32 on a CPU, where more steps beat bigger
-  batches; on a GPU 1/32 of the images, 32-256), the learning rate (8-16x the papers' base lr, with a cap at
-  larger batches), T = 0.2, the v2 queue (about a fifth of the images), the key momentum (v2: an EMA time
-  constant of 1/20 of the run), a 1-epoch warm-up for v3 and, on a CPU, the cheap ImageNet stem.
+  learned in short runs of our learning curves. MoCo v2 on a CPU (checked on three real image collections):
+  batch 256 (at most half the images), lr 0.06 x batch/256, the longest queue the images allow (the paper's
+  65536, capped at half of them). Elsewhere (checked on the generated demo data only): batch 32 for v3 on a
+  CPU, on a GPU 1/32 of the images (32-256), lr 8-16x the papers' base lr with a cap at larger batches, a v2
+  queue of about a fifth of the images. Always: T = 0.2, a v2 key momentum with an EMA time constant of 1/20
+  of the run, a 1-epoch warm-up for v3 and, on a CPU, the cheap ImageNet stem.
   config.json records every derived value and why. --recipe paper uses the MoCo papers' values instead
   (made for batches of 256-4096 and hundreds of epochs).
 

@@ -16,7 +16,7 @@ DEMO_IMAGE_SIZE = 32
 # A fixed length, not a time budget: where a short run ends on its curve depends steeply on its step count (on
 # 2 CPU cores a 150 s budget made 1,340 steps and 73.2% in one run, 1,130 steps and 56.7% in another), so the
 # demo trains a fixed number of steps and shows the same result on every machine of a kind, only slower or faster.
-DEMO_EPOCHS = 28  # 1,400 steps at the auto batch of 32
+DEMO_EPOCHS = 72  # 432 steps at the auto batch of 256 (MoCo v2 on a CPU; 6 steps per epoch)
 
 
 def demo_train_config(out: Path, budget: str | None, device: str, epochs: int = DEMO_EPOCHS) -> TrainConfig:

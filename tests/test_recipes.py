@@ -17,9 +17,9 @@ def _resolve(num_images: int, total_steps: int | None = None, on_gpu: bool = Fal
     return resolve_schedule(cfg, variant, total_steps or (cfg.epochs or 200) * steps, steps)
 
 
-def test_auto_v2__small_batch_recipe_on_the_demo_data_size():
-    cfg = _resolve(1600, total_steps=1400)
-    assert (cfg.batch_size, cfg.lr, cfg.queue_size, cfg.temperature) == (32, 0.48, 256, 0.2)
+def test_auto_v2_on_a_cpu__real_collection_recipe():
+    cfg = _resolve(1600, total_steps=500)
+    assert (cfg.batch_size, cfg.lr, cfg.queue_size, cfg.temperature) == (256, 0.06, 768, 0.2)  # K: half the images
     assert cfg.stem == "imagenet"  # on a CPU
     assert cfg.momentum == pytest.approx(0.99) and cfg.warmup_epochs == 0.0  # tau = 100 steps
     assert cfg.effective_lr == pytest.approx(0.06)
@@ -29,12 +29,18 @@ def test_auto_v2__small_batch_recipe_on_the_demo_data_size():
 
 
 def test_auto_v2__scales_with_data_and_run_length():
-    assert _resolve(100_000).batch_size == 32  # on a CPU: small batches learn most per minute
+    large = _resolve(100_000, total_steps=100_000)
+    assert (large.batch_size, large.momentum) == (256, pytest.approx(0.999))
+    assert large.queue_size == 49920  # the paper's 65,536 capped at half the images, a multiple of the batch
+    small = _resolve(100)  # at most half the images per batch, at least 32; the queue capped to fit
+    assert (small.batch_size, small.queue_size, small.effective_lr) == (32, 32, pytest.approx(0.0075))
     big = _resolve(100_000, total_steps=100_000, on_gpu=True)
     assert big.batch_size == 256 and big.queue_size == 16384 and big.momentum == pytest.approx(0.999)
     assert big.effective_lr == pytest.approx(0.12)  # capped: 0.48 x 256/256 would be 4x the peak that learned
-    assert _resolve(1600, on_gpu=True).stem == "small"
-    assert _resolve(1600, batch_size=64).queue_size == 256  # a multiple of the user's batch
+    gpu = _resolve(1600, on_gpu=True)
+    assert (gpu.stem, gpu.batch_size, gpu.lr) == ("small", 32, 0.48)  # GPU: the small-batch recipe (demo data)
+    assert _resolve(1600, batch_size=64).queue_size == 768  # a multiple of the user's batch
+    assert _resolve(1600, batch_size=64, on_gpu=True).queue_size == 256
 
 
 def test_auto_v3__lr_warmup_and_temperature():

@@ -89,17 +89,19 @@ class KnnMonitor:
     def __len__(self) -> int:
         return sum(len(s.labels) for s in self.splits)
 
+    def inputs(self, split: _Split, device: torch.device):
+        """The network inputs of a split in order: normalised float32 batches ``[B, 3, S, S]`` of each image's
+        evaluation crop (S: the model size)."""
+        mean = torch.tensor(IMAGENET_MEAN, device=device).view(1, 3, 1, 1)
+        std = torch.tensor(IMAGENET_STD, device=device).view(1, 3, 1, 1)
+        for pixels, sizes, _, _ in eval_batches(split.dataset, self.batch_size):
+            x = pixels.to(device).permute(0, 3, 1, 2).float().div_(255)
+            yield (crop_resize(x, eval_crop_boxes(sizes, self.image_size).to(device), self.image_size) - mean) / std
+
     @torch.no_grad()
     def features(self, backbone: nn.Module, split: _Split, device: torch.device) -> torch.Tensor:
         """L2-normalised float32 features ``[N, D]`` (on the CPU) of a split, in eval mode."""
-        mean = torch.tensor(IMAGENET_MEAN, device=device).view(1, 3, 1, 1)
-        std = torch.tensor(IMAGENET_STD, device=device).view(1, 3, 1, 1)
-        feats = []
-        for pixels, sizes, _, _ in eval_batches(split.dataset, self.batch_size):
-            x = pixels.to(device).permute(0, 3, 1, 2).float().div_(255)
-            x = (crop_resize(x, eval_crop_boxes(sizes, self.image_size).to(device), self.image_size) - mean) / std
-            feats.append(F.normalize(backbone(x).float(), dim=1).cpu())
-        return torch.cat(feats)
+        return torch.cat([F.normalize(backbone(x).float(), dim=1).cpu() for x in self.inputs(split, device)])
 
     def evaluate(self, backbone: nn.Module, device: torch.device) -> float:
         """Top-1 accuracy in [0, 1] of weighted k-NN on the backbone's features."""
