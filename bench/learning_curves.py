@@ -86,6 +86,17 @@ def dataset_folders(spec: str, work: Path) -> tuple[str, Path, Path]:
     return name, train, folder
 
 
+@contextlib.contextmanager
+def exclusive(lock: str | None):
+    """Hold ``lock``'s exclusive ``flock`` (nothing when None): other measured work waits its turn."""
+    if not lock:
+        yield
+        return
+    with open(lock, "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        yield
+
+
 def random_baselines(knn: Path, seeds: list[int], cache_root: str | None) -> dict:
     """k-NN top-1 of randomly initialised backbones, per seed: ``{"random": [...], "random_bn": [...]}``, the
     second after fitting the BatchNorm statistics to the k-NN bank's evaluation crops (weights unchanged)."""
@@ -113,11 +124,9 @@ def run_one(name: str, recipe: str, seed: int, train: Path, knn: Path, work: Pat
     out = work / f"{name}-{recipe}-s{seed}"
     args = [*COMMON, *RECIPES[recipe], "--seed", str(seed), "--time-budget", budget, "--knn-dir", str(knn), *extra]
     cmd = [sys.executable, "-m", "app.cli", "train", str(train), "--out", str(out), *args]
-    if lock:
-        cmd = ["flock", "-x", lock, *cmd]
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     tic = time.perf_counter()
-    with open(work / f"{name}-{recipe}-s{seed}.log", "w") as log:
+    with open(work / f"{name}-{recipe}-s{seed}.log", "w") as log, exclusive(lock):
         returncode = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO).returncode
     config = json.loads((out / "config.json").read_text()) if (out / "config.json").exists() else {}
     result = {"seed": seed, "args": args, "returncode": returncode, "wall_seconds": time.perf_counter() - tic,
@@ -219,9 +228,7 @@ def main(argv: list[str] | None = None) -> dict:
         entry = report["datasets"][name] = {"train": str(train), "knn": str(knn), "runs": {}, "summary": {},
                                             "images": len(walk_image_files(train))}
         if not args.no_baselines:
-            with open(args.lock, "a") if args.lock else contextlib.nullcontext() as held:
-                if held:
-                    fcntl.flock(held, fcntl.LOCK_EX)
+            with exclusive(args.lock):
                 entry["baselines"] = random_baselines(knn, args.seeds, os.environ.get("MOCO_CACHE_DIR"))
             print(f"{name} baselines: {entry['baselines']}", flush=True)
         for recipe in args.recipes:

@@ -31,7 +31,7 @@ LOG = logging.getLogger(__name__)
 
 PAPER_BATCH = 256
 AUTO_BATCH_CPU = 32  # MoCo v3 on a CPU (demo data)
-# MoCo v2 on a CPU, from equal-time runs on three real collections (bench/results/learning_curves_cpu_real.json):
+# MoCo v2 on a CPU, from equal-time runs on three real collections (bench/results/learning_curves_cpu_240s*.json):
 # batch 256 (at most half the images), lr 0.06 x batch/256, the longest queue the images allow
 AUTO_BATCH_CPU_V2 = 256
 AUTO_LR_CPU_V2 = 0.06
@@ -51,6 +51,12 @@ MONITOR_EVALUATIONS = 10  # default --knn-every: about this many k-NN evaluation
 
 def _pow2_floor(x: float) -> int:
     return 1 << max(0, int(math.floor(math.log2(max(1.0, x)))))
+
+
+def _auto_batch(num_images: int, images_per_batch: int, high: int, world_size: int) -> int:
+    """The largest power of two at most ``num_images / images_per_batch``, within 32-``high``, and at least one
+    image per process."""
+    return max(AUTO_BATCH_RANGE[0], world_size, min(high, _pow2_floor(num_images / images_per_batch)))
 
 
 def _set(cfg: TrainConfig, name: str, value, why: str) -> TrainConfig:
@@ -89,26 +95,24 @@ def resolve_before_training(cfg: TrainConfig, variant: Variant, num_images: int,
     """
     paper = cfg.recipe == "paper"
     kind = type(variant)
+    cpu_v2 = not paper and not on_gpu and kind is MoCoV2Variant  # the recipe checked on real collections
     if cfg.batch_size is None:
         if paper:
             cfg = _set(cfg, "batch_size", PAPER_BATCH, "the papers' batch")
-        elif not on_gpu and kind is MoCoV2Variant:
-            low = max(AUTO_BATCH_RANGE[0], world_size)
-            batch = max(low, min(AUTO_BATCH_CPU_V2, _pow2_floor(num_images / 2)))
-            cfg = _set(cfg, "batch_size", batch, "on a CPU, batch 256 (at most half the images) learned most per "
-                       "minute on real image collections (4-minute runs on 2 cores at peak lr 0.06, k-NN top-1 at "
-                       "batch 256 / 128 / 32: tuxpaint 48.9 / 48.4 / 47.3%, openclipart 53.0 / 51.7 / 47.0%); it "
-                       "also runs about 2x the images/s of batch 32")
+        elif cpu_v2:
+            cfg = _set(cfg, "batch_size", _auto_batch(num_images, 2, AUTO_BATCH_CPU_V2, world_size),
+                       "on a CPU, batch 256 (at most half the images) learned most per minute on real image "
+                       "collections (4-minute runs on 2 cores at peak lr 0.06, k-NN top-1 at batch 256 / 128 / 32: "
+                       "tuxpaint 48.9 / 48.4 / 47.3%, openclipart 53.0 / 51.7 / 47.0%); it also runs about 2x the "
+                       "images/s of batch 32")
         elif not on_gpu:
             batch = max(AUTO_BATCH_CPU, world_size)
             cfg = _set(cfg, "batch_size", batch, "on a CPU, batch 32 learned most per minute on the demo data "
                        "(equal-time runs on 2 cores: 75.6% k-NN at batch 32, 70.6% at 64, no gain at 128)")
         else:
             low, high = AUTO_BATCH_RANGE
-            batch = max(low, min(high, _pow2_floor(num_images / AUTO_IMAGES_PER_BATCH)))
-            batch = max(batch, world_size)
-            cfg = _set(cfg, "batch_size", batch, f"{num_images} images: at most 1/{AUTO_IMAGES_PER_BATCH} of them "
-                       f"per step, within {low}-{high}")
+            cfg = _set(cfg, "batch_size", _auto_batch(num_images, AUTO_IMAGES_PER_BATCH, high, world_size),
+                       f"{num_images} images: at most 1/{AUTO_IMAGES_PER_BATCH} of them per step, within {low}-{high}")
     if cfg.batch_size % world_size:
         raise ConfigError(f"--batch-size {cfg.batch_size} (global) must be divisible by the {world_size} processes")
     if num_images < cfg.batch_size:
@@ -138,7 +142,7 @@ def resolve_before_training(cfg: TrainConfig, variant: Variant, num_images: int,
     if cfg.lr is None:
         if paper:
             cfg = _set(cfg, "lr", variant.paper["lr"], f"{variant.name} paper value (x batch/256)")
-        elif kind is MoCoV2Variant and not on_gpu:
+        elif cpu_v2:
             cfg = _set(cfg, "lr", AUTO_LR_CPU_V2, f"{AUTO_LR_CPU_V2:g} x batch/256, 2x the paper's: in 4 minutes "
                        "it added 17.9 k-NN points on the demo data where the paper's values added 7.5, and 1-3 points "
                        "fewer than those on real collections; the small-batch recipe (0.48 x batch/256 at batch 32) "
@@ -148,8 +152,9 @@ def resolve_before_training(cfg: TrainConfig, variant: Variant, num_images: int,
             cap = AUTO_MAX_EFFECTIVE_LR[kind]
             scale = cfg.batch_size / 256 if cfg.lr_scale else 1.0
             lr = min(base, cap / scale)
-            why = (f"{base:g} x batch/256 learned at batch 32-64 on the demo data ({16 if kind is MoCoV2Variant else 8}x "
-                   "the paper's base lr: the linear scaling rule assumes batches of thousands)")
+            why = (f"{base:g} x batch/256 learned at batch 32-64 on the demo data "
+                   f"({16 if kind is MoCoV2Variant else 8}x the paper's base lr: the linear scaling rule assumes "
+                   "batches of thousands)")
             if lr < base:
                 why += f"; at batch {cfg.batch_size} capped so the peak lr stays at {cap:g}"
             cfg = _set(cfg, "lr", lr, why)
@@ -157,7 +162,7 @@ def resolve_before_training(cfg: TrainConfig, variant: Variant, num_images: int,
         if cfg.queue_size is None:
             if paper:
                 cfg = _set(cfg, "queue_size", variant.paper["queue_size"], "MoCo v2 paper value")
-            elif not on_gpu:
+            elif cpu_v2:
                 cfg = _set(cfg, "queue_size", variant.paper["queue_size"], "the paper's K, or as long as the images "
                            "allow (a longer queue learned more on real collections at batch 128-256)")
             else:
