@@ -11,11 +11,19 @@ a copy, in Gradio's own cache, of an indexed file read through the same check as
 image folder, with the indexed size, mtime and sha256), made once per content (named by its sha256). Hidden
 files, non-images and anything else that merely sits in the image folder are never reachable, and
 ``gradio_client`` downloads the results like any Gradio output.
+
+What a client may hand the UI is as narrow (:func:`mount_ui`): an input file must be an upload in Gradio's
+upload folder, never a path on the server (Gradio checks this only in apps it launched itself, so a mounted
+app is marked as launched); the development route ``/gradio_api/dev/reload`` is removed; uploads are deleted
+``UPLOAD_LIFETIME_S`` after they arrive and the oldest go first once they hold more than ``UPLOAD_CACHE_BYTES``.
 """
 from __future__ import annotations
 
 import hashlib
 import logging
+import os
+import threading
+import time
 from pathlib import Path
 
 import gradio as gr
@@ -31,6 +39,10 @@ LOG = logging.getLogger(__name__)
 
 UI_MAX_K = 100  # the slider's range; the JSON API allows up to the engine's max_k
 EXAMPLES = 6
+UPLOAD_LIFETIME_S = 3600  # an upload is a query, needed for seconds; an hour covers a slow page
+UPLOAD_CACHE_BYTES = 2 << 30  # all uploads kept at once, whoever sent them: 64 of the largest allowed
+UPLOAD_SWEEP_S = 60  # how often both limits are applied
+DEV_ROUTES = ("/gradio_api/dev/reload",)  # Gradio's live-reload stream: for `gradio app.py`, not production
 
 
 def _caption(hit: dict) -> str:
@@ -155,7 +167,8 @@ def build_ui(engine: SearchEngine) -> gr.Blocks:
     def stats():
         return stats_markdown(_call(engine.stats))
 
-    with gr.Blocks(title="moco-retrieval search") as ui:
+    # delete_cache: Gradio deletes the uploads (and its own copies) older than UPLOAD_LIFETIME_S
+    with gr.Blocks(title="moco-retrieval search", delete_cache=(UPLOAD_SWEEP_S, UPLOAD_LIFETIME_S)) as ui:
         cache_dir = ui.GRADIO_CACHE  # the folder Gradio serves its own files from
         examples = [[str(path)] for path in (ui_copy(engine, rec, cache_dir) for rec in engine.examples(EXAMPLES))
                     if path is not None]
@@ -191,10 +204,74 @@ def build_ui(engine: SearchEngine) -> gr.Blocks:
     return ui
 
 
-def mount_ui(app: FastAPI, engine: SearchEngine, path: str = "/", max_file_size: int | None = None) -> FastAPI:
-    """Mount the UI on ``app`` at ``path``. It serves no file of the image folder (see the module docstring);
-    uploads over ``max_file_size`` bytes are refused (the API's upload limit, by default)."""
+def mount_ui(app: FastAPI, engine: SearchEngine, path: str = "/", max_file_size: int | None = None,
+             upload_cache_bytes: int = UPLOAD_CACHE_BYTES) -> FastAPI:
+    """Mount the UI on ``app`` at ``path``. It serves no file of the image folder and reads no file of the server
+    that a client names (see the module docstring); uploads over ``max_file_size`` bytes are refused (the API's
+    upload limit, by default), and all uploads together are kept under ``upload_cache_bytes``."""
     from serve.http import MAX_UPLOAD_BYTES
 
-    return gr.mount_gradio_app(app, build_ui(engine), path=path, footer_links=["api"],
-                               max_file_size=max_file_size or MAX_UPLOAD_BYTES)
+    ui = build_ui(engine)
+    app = gr.mount_gradio_app(app, ui, path=path, footer_links=["api"],
+                              max_file_size=max_file_size or MAX_UPLOAD_BYTES)
+    # hack: Gradio checks that an input file is an upload (processing_utils._check_allowed) only once
+    # `has_launched` is set, which launch() does and mount_gradio_app does not; unset, a request naming
+    # {"path": "/etc/passwd"} had the file copied into the cache and served back, and "/dev/zero" froze the loop.
+    ui.has_launched = True
+    app.add_middleware(_ClosedPaths, paths=tuple(path.rstrip("/") + route for route in DEV_ROUTES))
+    _start_upload_sweeper(ui, upload_cache_bytes)
+    return app
+
+
+class _ClosedPaths:
+    """Pure ASGI middleware: requests for ``paths`` answer 404 in the project's error format before any route
+    sees them (Gradio registers its routes inside an included router that offers no public way to drop one)."""
+
+    def __init__(self, app, paths: tuple[str, ...]):
+        self.app, self.paths = app, frozenset(paths)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].rstrip("/") in self.paths:
+            from fastapi.responses import JSONResponse
+
+            await JSONResponse({"error": f"{scope['path']} is not served"}, status_code=404)(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+def trim_uploads(files: set[str], max_bytes: int) -> int:
+    """Delete the oldest of ``files`` (by ctime, as Gradio ages them) until the rest hold at most ``max_bytes``;
+    deleted and vanished names leave ``files``. Returns the bytes deleted."""
+    sized = []
+    for name in list(files):  # a copy: the server adds uploads while this runs
+        try:
+            st = os.lstat(name)
+        except FileNotFoundError:
+            files.discard(name)
+            continue
+        sized.append((st.st_ctime, st.st_size, name))
+    total, freed = sum(size for _, size, _ in sized), 0
+    for _, size, name in sorted(sized):
+        if total <= max_bytes:
+            break
+        try:
+            os.remove(name)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            LOG.warning("cannot delete upload %s: %s", name, exc)
+            continue
+        files.discard(name)
+        total, freed = total - size, freed + size
+    return freed
+
+
+def _start_upload_sweeper(ui: gr.Blocks, max_bytes: int) -> None:
+    def sweep():  # a daemon thread: it ends with the process
+        while True:
+            freed = trim_uploads(ui.upload_file_set, max_bytes)
+            if freed:
+                LOG.info("uploads over %d MiB: deleted the oldest %.1f MiB", max_bytes >> 20, freed / 2**20)
+            time.sleep(UPLOAD_SWEEP_S)
+
+    threading.Thread(target=sweep, name="moco-upload-sweeper", daemon=True).start()
