@@ -11,10 +11,11 @@ import importlib
 import logging
 import sys
 
-from contracts.errors import MocoError
+from moco_retrieval.contracts.errors import MocoError
 
 # One module per subcommand, each with ``register(subparsers)``; add new commands here.
-COMMAND_MODULES = ("app.cmd_train", "app.cmd_export", "app.cmd_eval", "app.cmd_index", "app.cmd_demo", "app.cmd_serve")
+COMMAND_MODULES = tuple(f"moco_retrieval.app.cmd_{name}" for name in ("train", "export", "eval", "index", "demo",
+                                                                   "serve"))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -15,13 +15,13 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from contracts.atomic import (
+from moco_retrieval.contracts.atomic import (
     atomic_path,
     link_or_copy_atomic,
     write_json_atomic,
     write_text_atomic,
 )
-from contracts.encoder_format import (
+from moco_retrieval.contracts.encoder_format import (
     ENCODER_FORMAT,
     ENCODER_FORMAT_VERSION,
     REQUIRED_KEYS,
@@ -29,8 +29,8 @@ from contracts.encoder_format import (
     encode_metadata,
     validate_metadata,
 )
-from contracts.errors import ArtifactError, DataError, OutputError
-from contracts.images import (
+from moco_retrieval.contracts.errors import ArtifactError, DataError, OutputError
+from moco_retrieval.contracts.images import (
     BACKGROUND,
     MAX_IMAGE_PIXELS,
     check_image,
@@ -40,6 +40,7 @@ from contracts.images import (
 )
 
 REPO = Path(__file__).resolve().parent.parent
+NAMESPACE = "moco_retrieval"
 PACKAGES = ("contracts", "trainer", "indexer", "serve", "app")
 # package -> project packages it may import (at any depth, lazily or not)
 ALLOWED = {
@@ -210,13 +211,22 @@ def test_atomic_write__a_failure_keeps_the_old_file_and_leaves_no_temporary(tmp_
 
 # -- import rules ---------------------------------------------------------------------------------------------
 def _imports(path: Path) -> set[str]:
+    """The top-level names a file imports; the project's own packages as ``trainer``, ``indexer`` ... (their
+    import name is ``moco_retrieval.trainer`` ...). A bare top-level ``trainer`` is reported as ``bare:trainer``."""
     tree = ast.parse(path.read_text(), str(path))
-    names = set()
+    modules = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            names.update(alias.name.split(".")[0] for alias in node.names)
+            modules.extend(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names.add(node.module.split(".")[0])
+            modules.append(node.module)
+    names = set()
+    for module in modules:
+        parts = module.split(".")
+        if parts[0] == NAMESPACE and len(parts) > 1:
+            names.add(parts[1])
+        else:
+            names.add(f"bare:{parts[0]}" if parts[0] in PACKAGES else parts[0])
     return names
 
 
@@ -224,9 +234,19 @@ def test_packages__import_only_downward():
     bad = []
     for package in PACKAGES:
         for path in sorted((REPO / package).rglob("*.py")):
-            used = _imports(path) & set(PACKAGES) - {package}
+            imported = _imports(path)
+            used = imported & set(PACKAGES) - {package}
             for other in sorted(used - ALLOWED[package]):
                 bad.append(f"{path.relative_to(REPO)} imports {other}")
+            bad.extend(f"{path.relative_to(REPO)} imports {name[5:]} outside {NAMESPACE}" for name in sorted(imported)
+                       if name.startswith("bare:"))
+    assert not bad, bad
+
+
+def test_tests_and_benches__import_the_project_by_its_one_name():
+    bad = [f"{path.relative_to(REPO)} imports {name[5:]}" for folder in ("tests", "bench", NAMESPACE)
+           for path in sorted((REPO / folder).rglob("*.py")) for name in sorted(_imports(path))
+           if name.startswith("bare:")]
     assert not bad, bad
 
 
@@ -237,13 +257,13 @@ def test_contracts__import_nothing_heavy():
 
 
 def test_serving_stack__imports_without_torch_in_a_real_process():
-    modules = ["contracts.errors", "contracts.images", "contracts.encoder_format", "contracts.atomic",
-               "contracts.knn", "indexer.build", "indexer.index_dir", "serve.engine", "serve.http", "app.cli",
-               "app.server", "app.gradio_app", "app.cmd_serve", "app.cmd_index", "trainer.config",
-               "trainer.imagefolder", "trainer.demo_data"]
+    modules = [f"moco_retrieval.{name}" for name in (
+        "contracts.errors", "contracts.images", "contracts.encoder_format", "contracts.atomic", "contracts.knn",
+        "indexer.build", "indexer.index_dir", "serve.engine", "serve.http", "app.cli", "app.server", "app.gradio_app",
+        "app.cmd_serve", "app.cmd_index", "trainer.config", "trainer.imagefolder", "trainer.demo_data")]
     code = ("import importlib, json, sys\n"
             f"for name in {modules!r}: importlib.import_module(name)\n"
-            "from app.cli import build_parser\nbuild_parser()\n"
+            "from moco_retrieval.app.cli import build_parser\nbuild_parser()\n"
             "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'torchvision', 'timm'))))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO)
     assert proc.returncode == 0, proc.stderr

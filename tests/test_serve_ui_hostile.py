@@ -91,7 +91,7 @@ def test_gradio__development_reload_route_is_gone(live_server):
 
 
 def test_gradio__uploads_are_trimmed_oldest_first_to_the_cap(tmp_path):
-    from app.gradio_app import trim_uploads
+    from moco_retrieval.app.gradio_app import trim_uploads
 
     files = set()
     for i in range(5):
@@ -110,7 +110,7 @@ def test_gradio__uploads_are_trimmed_oldest_first_to_the_cap(tmp_path):
 
 def test_gradio__two_workers_refuse_server_paths(served_index, serve_corpus):
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", str(served_index), "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "moco_retrieval", "serve", str(served_index), "--port", str(port),
                              "--workers", "2", "--device", "cpu", "--poll-seconds", "0"], cwd=ROOT,
                             env=dict(os.environ, PYTHONUNBUFFERED="1"), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
