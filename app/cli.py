@@ -2,7 +2,8 @@
 
 Every :class:`~contracts.errors.MocoError` becomes ``moco: error: <one line>`` on stderr and its exit code;
 Ctrl-C exits with 130 and says how to continue. Heavy imports (torch) happen inside the subcommands, so
-``moco --help`` is instant.
+``moco --help`` is instant. ``-v`` (debug) and ``-q`` (warnings only) work in any position, before or after the
+subcommand; :func:`setup_logging` is the one logging setup of every ``moco`` process (``--workers`` too).
 """
 from __future__ import annotations
 
@@ -24,19 +25,51 @@ def build_parser() -> argparse.ArgumentParser:
         description="Learn image representations without labels (MoCo v2/v3), export them to ONNX, index an image "
                     "folder with FAISS and serve similarity search.",
     )
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    from moco_retrieval import __version__
+
+    parser.add_argument("--version", action="version", version=f"moco-retrieval {__version__}")
+    loudness = parser.add_mutually_exclusive_group()
+    loudness.add_argument("-v", "--verbose", action="store_true", help="debug logging (anywhere on the line)")
+    loudness.add_argument("-q", "--quiet", action="store_true", help="warnings and errors only (anywhere on the line)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(sub)
     return parser
 
 
+LOUDNESS = {"-v": logging.DEBUG, "--verbose": logging.DEBUG, "-q": logging.WARNING, "--quiet": logging.WARNING}
+QUIET_LOGGERS = {
+    "faiss.loader": logging.WARNING,  # lists the CPU variants it tried at INFO: noise to a user
+    "PIL": logging.INFO,  # a DEBUG line per PNG chunk read would bury -v's own lines
+}
+
+
+def setup_logging(level: int = logging.INFO) -> None:
+    """The log format and levels of a ``moco`` process."""
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    for name, floor in QUIET_LOGGERS.items():
+        logging.getLogger(name).setLevel(max(level, floor))
+
+
+def split_loudness(argv: list[str]) -> tuple[int, list[str]]:
+    """``(log level, argv without -v/-q)``: the flags count wherever they stand (up to a ``--``)."""
+    level, rest = logging.INFO, []
+    for i, arg in enumerate(argv):
+        if arg == "--":
+            rest.extend(argv[i:])
+            break
+        if arg in LOUDNESS:
+            level = LOUDNESS[arg]
+        else:
+            rest.append(arg)
+    return level, rest
+
+
 def main(argv: list[str] | None = None) -> int:
+    level, argv = split_loudness(sys.argv[1:] if argv is None else list(argv))
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    logging.getLogger("faiss.loader").setLevel(logging.WARNING)  # its CPU-feature probing is noise to a user
+    setup_logging(level)
     try:
         return args.func(args)
     except MocoError as exc:

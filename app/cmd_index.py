@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
 
 EPILOG_INDEX = """\
 what it does:
@@ -28,7 +27,7 @@ updates cost what changed:
   changed and deleted files instead (one relative path per line), and nothing else is looked at.
 
 many processes, GPUs or machines (torchrun):
-  torchrun --nproc_per_node 4 -m app.cli index photos/ --model encoder.onnx --out photos.index
+  torchrun --nproc_per_node 4 -m moco_retrieval index photos/ --model encoder.onnx --out photos.index
   Every rank embeds its share of the files (one GPU per rank where there are GPUs); rank 0 waits for the
   others, then builds and publishes. Ranks meet through INDEX_DIR/work/, so INDEX_DIR (and IMAGE_DIR) must be
   on a filesystem every node sees. Kill any rank and rerun the same command: finished shards are kept.
@@ -97,7 +96,6 @@ def register(sub) -> None:
 def cmd_index(args: argparse.Namespace) -> int:
     from moco_retrieval.indexer.build import IndexConfig, build_index_dir
 
-    logging.getLogger("faiss.loader").setLevel(logging.WARNING)
     optional = {"workers": args.workers, "target_recall": args.target_recall, "rank_timeout": args.rank_timeout}
     cfg = IndexConfig(
         image_dir=args.image_dir, model=args.model, out_dir=args.out, index_type=args.index_type,

@@ -43,9 +43,6 @@ examples:
 
 
 def _engine_config(args, poll_seconds: float, **extra):
-    import logging
-
-    logging.getLogger("faiss.loader").setLevel(logging.WARNING)  # its INFO lines list CPU variants it tried
     from moco_retrieval.serve.engine import EngineConfig
 
     return EngineConfig(model=args.model, device=args.device, threads=args.threads, poll_seconds=poll_seconds,

@@ -29,7 +29,7 @@ examples:
   moco train photos/ --out runs/photos --arch resnet18 --image-size 96 --time-budget 30m
   moco train photos/ --out runs/photos          # rerun after a crash: continues from checkpoint_last.pt
   moco train photos/ --out runs/paper --recipe paper --epochs 200 --batch-size 256
-  torchrun --nproc_per_node=8 -m app.cli train photos/ --out runs/photos   # 8 GPUs, --batch-size is global
+  torchrun --nproc_per_node=8 -m moco_retrieval train photos/ --out runs/photos   # 8 GPUs, --batch-size is global
 """
 
 

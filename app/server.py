@@ -97,9 +97,9 @@ WORKER_CONFIG_ENV = "MOCO_SERVE_WORKER"  # how the parent hands each spawned wor
 def worker_app() -> FastAPI:
     """The uvicorn app factory of one ``--workers`` process: its own engine over the index directory."""
     cfg = json.loads(os.environ[WORKER_CONFIG_ENV])
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        datefmt="%H:%M:%S")
-    logging.getLogger("faiss.loader").setLevel(logging.WARNING)
+    from moco_retrieval.app.cli import setup_logging
+
+    setup_logging(cfg.get("log_level", logging.INFO))
     engine = SearchEngine(cfg["index_dir"], EngineConfig(**cfg["engine"]))
     return make_app(engine, ui=cfg["ui"])
 
@@ -119,7 +119,7 @@ def serve_workers(index_dir: str, config: EngineConfig, host: str = "127.0.0.1",
         raise ConfigError(f"--workers must be at least 1, got {workers}")
     check_port(host, port)
     os.environ[WORKER_CONFIG_ENV] = json.dumps({"index_dir": str(index_dir), "engine": dataclasses.asdict(config),
-                                                "ui": ui})
+                                                "ui": ui, "log_level": logging.getLogger().getEffectiveLevel()})
     shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
     url = f"http://{shown}:{port}/"
     stop = threading.Event()

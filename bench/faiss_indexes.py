@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import platform
 import time
@@ -22,6 +21,7 @@ from pathlib import Path
 import faiss
 import numpy as np
 
+from moco_retrieval.app.cli import setup_logging
 from moco_retrieval.indexer.faiss_index import build_index, choose_factory, exact_knn, recall_at_k
 
 OUT = Path(__file__).resolve().parent / "results"
@@ -84,8 +84,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=None, help="FAISS OpenMP threads (default: all cores)")
     p.add_argument("--out", default=None, help="JSON file (default bench/results/faiss_indexes_<host>.json)")
     args = p.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    logging.getLogger("faiss.loader").setLevel(logging.WARNING)
+    setup_logging()
     if args.threads:
         faiss.omp_set_num_threads(args.threads)
     rows = []

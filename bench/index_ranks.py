@@ -5,7 +5,7 @@ Three measurements on the same folder and encoder (JSON out):
 - **encoder ceiling**: ``OnnxEncoder.embed`` on already decoded, resized batches of ``--batch-size`` with all
   cores (ONNX Runtime's intra-op threads): no reading, decoding, shards, LMDB or FAISS;
 - **1 rank**: ``moco index IMAGE_DIR --out A`` as a subprocess, from nothing to a published generation;
-- **N ranks**: ``torchrun --standalone --nproc_per_node N -m app.cli index IMAGE_DIR --out B``, the same.
+- **N ranks**: ``torchrun --standalone --nproc_per_node N -m moco_retrieval index IMAGE_DIR --out B``, the same.
 
 End-to-end images/s = images indexed / wall time of the command (its start-up included). Both indexes are
 checked to hold the same items. The encoder is exported from a random-weight checkpoint (throughput does

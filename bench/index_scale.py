@@ -32,9 +32,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import logging
 import os
-import platform
 import resource
 import sys
 import time
@@ -46,23 +44,9 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-OUT = Path(__file__).resolve().parent / "results"
-DIM = 512
-CHUNK = 65_536          # vectors generated together (one seed per chunk)
+from bench.scale_data import CHUNK, DIM, OUT, chunk_vectors, record as _record  # noqa: E402
+
 FILES_PER_DIR = 1000
-CLUSTERS = 1000
-SPREAD = 0.6
-
-
-def chunk_vectors(chunk: int, d: int = DIM, seed: int = 0) -> np.ndarray:
-    """float32 ``[CHUNK, d]`` L2-normalized rows of chunk ``chunk``: Gaussian blobs around fixed centres (the
-    shape of real embeddings, as in ``bench/faiss_indexes.py``)."""
-    centres = np.random.default_rng(12345).normal(size=(CLUSTERS, d)).astype(np.float32)
-    rng = np.random.default_rng([seed, chunk])
-    x = centres[rng.integers(0, CLUSTERS, CHUNK)]
-    x += SPREAD * rng.standard_normal(size=(CHUNK, d), dtype=np.float32)
-    x /= np.linalg.norm(x, axis=1, keepdims=True)
-    return x
 
 
 def file_path(i: int) -> str:
@@ -223,18 +207,6 @@ def _run_index(args, corpus: SyntheticCorpus, work: Path, state: dict, changed: 
     return row, wall, peak_rss
 
 
-def _record(args, phase: str, row: dict) -> None:
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    data = json.loads(out.read_text()) if out.is_file() else {
-        "benchmark": "index_scale", "machine": {"host": platform.node(), "cpus": os.cpu_count(),
-                                                "python": platform.python_version()}, "rows": []}
-    row = {"phase": phase, "label": args.label, "legacy": args.legacy, "command": " ".join(sys.argv), **row}
-    data["rows"].append(row)
-    out.write_text(json.dumps(data, indent=2) + "\n")
-    print(json.dumps({k: v for k, v in row.items() if k != "command"}), flush=True)
-
-
 def phase_build(args, work: Path) -> None:
     state = _state(work)
     if state:
@@ -312,8 +284,9 @@ def main() -> None:
     p.add_argument("--label", default="after", help="a tag stored with each row (e.g. before / after)")
     p.add_argument("--out", default=str(OUT / "index_scale.json"), help="JSON file the rows are appended to")
     args = p.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    logging.getLogger("faiss.loader").setLevel(logging.WARNING)
+    from moco_retrieval.app.cli import setup_logging
+
+    setup_logging()
     work = args.work.absolute()
     if args.phase == "build":
         phase_build(args, work)

@@ -29,6 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.scale_data import CHUNK, chunk_vectors, record
+
 REPO = Path(__file__).resolve().parents[1]
 WARMUP = 20  # untimed queries per process before the clock starts
 
@@ -44,8 +46,6 @@ def smaps(pid: int | str = "self") -> dict[str, int]:
 
 
 def _queries(work: Path, n: int, d: int) -> np.ndarray:
-    from bench.index_scale import CHUNK, chunk_vectors
-
     return np.concatenate([chunk_vectors(c, d, seed=7) for c in range(1 + n // CHUNK)])[:n]
 
 
@@ -199,7 +199,6 @@ def http_level(index_dir: Path, workers: int, seconds: float) -> dict:
 
 
 def phase_serve(args, work: Path) -> None:
-    from bench.index_scale import _record
     from moco_retrieval.indexer.index_dir import IndexDirectory
 
     index_dir = work / "index"
@@ -213,8 +212,8 @@ def phase_serve(args, work: Path) -> None:
     print(f"page cache warmed in {warm_page_cache(index_dir):.1f} s", flush=True)
     for workers in args.workers:
         row = search_level(index_dir, xq, truth, workers, args.seconds)
-        _record(args, "serve_search", {"index": info, **row})
+        record(args, "serve_search", {"index": info, **row})
     if args.http:
         for workers in args.workers:
-            _record(args, "serve_http", {"index": info, **http_level(index_dir, workers, args.seconds)})
+            record(args, "serve_http", {"index": info, **http_level(index_dir, workers, args.seconds)})
     print(json.dumps(info))

@@ -40,6 +40,7 @@ from moco_retrieval.contracts.launch import WorldInfo, world_info_from_env
 from moco_retrieval.indexer import faiss_index, update
 from moco_retrieval.indexer.embed import FolderEmbedder
 from moco_retrieval.indexer.encoder import OnnxEncoder, available_cores
+from moco_retrieval.indexer.factory import Factory
 from moco_retrieval.indexer.layout import (
     GenerationPaths,
     IndexLayout,
@@ -479,7 +480,7 @@ def _build_faiss(run: _Run, staging: GenerationPaths, choice: faiss_index.IndexC
                  blocks: list[str], trained=None) -> faiss_index.BuiltIndex:
     """Train (unless ``trained``), fill, tune and write the base index of ``staging`` from ``blocks``."""
     layout, encoder = run.layout, run.encoder
-    vectors = BlockVectors(layout, blocks) if "PQ" in choice.factory else None
+    vectors = BlockVectors(layout, blocks) if Factory.parse(choice.factory).pq_codes else None
     built = faiss_index.build_index(choice.factory, encoder.embedding_dim, len(live_ids),
                                     live_blocks(layout, blocks, live_ids), target_recall=run.cfg.target_recall,
                                     on_disk=staging.lists if choice.on_disk else None, trained=trained,

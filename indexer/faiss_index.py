@@ -35,7 +35,8 @@ import numpy as np
 
 from moco_retrieval.contracts.errors import ConfigError, IndexBuildError, OutputError
 from moco_retrieval.indexer import faiss_gpu
-from moco_retrieval.indexer.searcher import LayeredIndex
+from moco_retrieval.indexer.factory import Factory
+from moco_retrieval.indexer.searcher import LayeredIndex, unwrap
 
 LOG = logging.getLogger(__name__)
 
@@ -104,12 +105,11 @@ class IndexChoice:
 
 def serving_bytes(factory: str, n: int, d: int) -> int:
     """Estimated RAM of a filled index of ``factory`` (in-memory lists) over ``n`` vectors."""
-    kind = index_kind(factory)
-    if kind == "hnsw":
+    parsed = Factory.parse(factory)
+    if parsed.kind == "hnsw":
         return n * (4 * d + 2 * HNSW_M * 4 + 8)
-    if kind == "ivfpq":
-        m = int(factory.split(",PQ")[1].split("x")[0].rstrip("np"))
-        return n * (m + 8) + ivf_nlist(factory) * d * 4
+    if parsed.kind == "ivfpq":
+        return n * (parsed.pq_m + 8) + parsed.nlist * d * 4
     return n * (4 * d + 8)
 
 
@@ -142,7 +142,7 @@ def choose_index(index_type: str, n: int, d: int, memory: int | None = None, bud
         else:
             index_type = "ivfpq"
     factory = _factory(index_type, n, d)
-    return IndexChoice(factory, on_disk=index_kind(factory) == "ivfpq" and not fits(factory))
+    return IndexChoice(factory, on_disk=Factory.parse(factory).kind == "ivfpq" and not fits(factory))
 
 
 def choose_factory(index_type: str, n: int, d: int, memory: int | None = None, budget: int | None = None) -> str:
@@ -170,36 +170,17 @@ def _factory(index_type: str, n: int, d: int) -> str:
     return index_type
 
 
-def index_kind(factory: str) -> str:
-    """``flat``, ``hnsw``, ``ivf``, ``ivfpq`` for the factories :func:`choose_index` makes, else ``custom``."""
-    if factory == "IDMap2,Flat":
-        return "flat"
-    if factory.startswith("IDMap2,HNSW") and factory[11:].isdigit():
-        return "hnsw"
-    parts = factory.split(",")
-    if len(parts) == 2 and parts[0].startswith("IVF") and parts[0][3:].isdigit():
-        if parts[1] == "Flat":
-            return "ivf"
-        if parts[1].startswith("PQ"):
-            return "ivfpq"
-    return "custom"
-
-
-def ivf_nlist(factory: str) -> int:
-    return int(factory.split(",")[0][3:])
-
-
 def same_structure(built: str, wanted: str) -> bool:
     """True when an index built as ``built`` can keep serving where ``wanted`` is chosen now: the same kind
     (and codec: Flat, or PQ with as many sub-quantizers), and for IVF a list count within a factor of 2 of the
     wanted one (4 sqrt(n) moves with every update; retraining is worth it only when it moved a lot)."""
-    kind = index_kind(built)
-    if kind != index_kind(wanted):
+    old, new = Factory.parse(built), Factory.parse(wanted)
+    kind = old.kind
+    if kind != new.kind:
         return False
     if kind in ("ivf", "ivfpq"):
-        ratio = ivf_nlist(built) / max(1, ivf_nlist(wanted))
-        codec = [f.split(",")[1].split("x")[0] for f in (built, wanted)]  # PQ bits also move with small n
-        return 0.5 <= ratio <= 2 and codec[0] == codec[1]
+        ratio = old.nlist / max(1, new.nlist)
+        return 0.5 <= ratio <= 2 and old.codec == new.codec  # PQ bits also move with small n
     if kind == "custom":
         return built == wanted or built == f"IDMap2,{wanted}"
     return built == wanted
@@ -248,8 +229,7 @@ def _set_param(index: faiss.Index, name: str, value: int) -> None:
     if name == "nprobe" and ivf is not None:
         ivf.nprobe = value
         return
-    inner = faiss.downcast_index(index.index) if isinstance(index, (faiss.IndexIDMap, faiss.IndexIDMap2)) else index
-    inner = faiss.downcast_index(inner)
+    inner = unwrap(index)
     if name == "efSearch" and hasattr(inner, "hnsw"):
         inner.hnsw.efSearch = value
         return
@@ -260,8 +240,7 @@ def _search_param_ladder(index: faiss.Index) -> tuple[str, list[int]] | None:
     ivf = faiss.try_extract_index_ivf(index)
     if ivf is not None:
         return "nprobe", sorted({min(ivf.nlist, 2 ** i) for i in range(0, 17)})
-    inner = faiss.downcast_index(index.index) if isinstance(index, (faiss.IndexIDMap, faiss.IndexIDMap2)) else index
-    if hasattr(faiss.downcast_index(inner), "hnsw"):
+    if hasattr(unwrap(index), "hnsw"):
         return "efSearch", [16, 32, 64, 128, 256, 512, 1024]
     return None
 
@@ -293,7 +272,7 @@ def build_index(factory: str, d: int, n: int, blocks: BlockSource, use_gpu: bool
                  else faiss.index_factory(d, factory, faiss.METRIC_INNER_PRODUCT))
     except RuntimeError as exc:
         raise IndexBuildError(f"FAISS cannot create {factory!r}: {str(exc).splitlines()[-1]}") from exc
-    inner = faiss.downcast_index(index.index) if isinstance(index, faiss.IndexIDMap) else index
+    inner = unwrap(index)
     if hasattr(inner, "hnsw"):
         inner.hnsw.efConstruction = hnsw_ef_construction
     result = BuiltIndex(index=index, factory=factory)
@@ -306,7 +285,7 @@ def build_index(factory: str, d: int, n: int, blocks: BlockSource, use_gpu: bool
     use_gpu = (gpus > 0) if use_gpu is None else use_gpu
     try:
         if not index.is_trained:
-            pq = "PQ" in factory
+            pq = Factory.parse(factory).pq_codes  # PQ codebooks want a larger sample than k-means alone
             size = min(n, max(100 * (ivf.nlist if ivf is not None else 1), 100_000 if pq else 10_000))
             xt = _sample(blocks, n, size)
             work, on_gpu = faiss_gpu.clone_for_build(index, gpus, cloner) if use_gpu else (index, False)
@@ -334,7 +313,7 @@ def build_index(factory: str, d: int, n: int, blocks: BlockSource, use_gpu: bool
         result.index = index
     except RuntimeError as exc:
         raise IndexBuildError(f"FAISS failed building {factory!r}: {str(exc).splitlines()[-1]}") from exc
-    _tune(result, blocks, n, target_recall, recall_queries, vectors if "PQ" in factory else None)
+    _tune(result, blocks, n, target_recall, recall_queries, vectors if Factory.parse(factory).pq_codes else None)
     return result
 
 
@@ -399,7 +378,7 @@ def _tune(result: BuiltIndex, blocks: BlockSource, n: int, target_recall: float,
     With ``vectors`` (IVF-PQ), results are re-ranked with them (``refine``) as the server re-ranks them.
     """
     ladder = _search_param_ladder(result.index)
-    if ladder is None and "Flat" in result.factory and "IVF" not in result.factory and "HNSW" not in result.factory:
+    if ladder is None and Factory.parse(result.factory).exact:
         result.exact, result.recall_at_10 = True, 1.0
         return
     xq = _sample(blocks, n, recall_queries, seed=1)
@@ -466,7 +445,7 @@ def read_flags(factory: str, on_disk: bool = False, mmap: bool = True) -> int:
         return faiss.IO_FLAG_ONDISK_SAME_DIR | faiss.IO_FLAG_READ_ONLY
     if not mmap:
         return 0
-    if "IVF" in factory:  # the two flags do not combine: IVF lists are mapped by IO_FLAG_MMAP's reader hook
+    if Factory.parse(factory).is_ivf:  # the two flags do not combine: IVF lists are mapped by IO_FLAG_MMAP's reader hook
         return faiss.IO_FLAG_MMAP | faiss.IO_FLAG_READ_ONLY
     return faiss.IO_FLAG_MMAP_IFC | faiss.IO_FLAG_READ_ONLY
 

@@ -19,6 +19,7 @@ import numpy as np
 
 from moco_retrieval.contracts.atomic import atomic_path, atomic_write, output_errors
 from moco_retrieval.contracts.errors import ArtifactError, IndexBuildError
+from moco_retrieval.indexer.factory import Factory
 from moco_retrieval.indexer.layout import IndexLayout
 
 READ_ROWS = 65_536  # rows per block handed to FAISS
@@ -27,7 +28,7 @@ READ_ROWS = 65_536  # rows per block handed to FAISS
 def block_dtype(factory: str) -> np.dtype:
     """float16 blocks for indexes of compressed codes (the blocks are then their only full-precision copy),
     float32 for the rest."""
-    return np.dtype(np.float16 if "PQ" in factory else np.float32)
+    return np.dtype(np.float16 if Factory.parse(factory).pq_codes else np.float32)
 
 
 class BlockWriter:

@@ -505,16 +505,6 @@ class SearchEngine:
         f, st = open_indexed_file(root, rec)
         return f, st, rec
 
-    def image_file(self, item_id: int) -> tuple[Path, dict]:
-        """``(path on disk, record)`` of a live item's image, checked as :meth:`open_image` checks it.
-
-        Raises:
-            UnknownItemError: unknown id. ImageGoneError: the file is gone, moved outside, or changed.
-        """
-        f, _, rec = self.open_image(item_id)
-        f.close()
-        return self.image_root / rec["path"], rec
-
     def labels(self) -> dict[str, int]:
         """label -> live item count of the live generation (empty for an unlabeled corpus)."""
         with self._generation() as gen:

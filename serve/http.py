@@ -231,13 +231,16 @@ def create_app(engine: SearchEngine | str | os.PathLike, max_upload_bytes: int =
         if owned:
             engine.close()
 
+    from moco_retrieval import __version__
+
     app = FastAPI(
         title="moco-retrieval",
+        version=__version__,  # the package's: the API is versioned with it
         summary="Nearest-neighbour image search and k-NN classification over a `moco index` directory.",
         description="Upload an image to `/api/search` (multipart field `image`) to get the most similar "
                     "images of the corpus, or to `/api/classify` for a label voted by its labeled neighbours. "
                     "Errors are JSON `{\"error\": \"...\"}`.",
-        version="1", lifespan=lifespan,
+        lifespan=lifespan,
     )
     app.state.engine = engine
     add_error_handlers(app)

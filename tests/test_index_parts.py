@@ -13,11 +13,13 @@ import pytest
 from moco_retrieval.contracts.atomic import output_errors
 from moco_retrieval.contracts.errors import ArtifactError, ConfigError, DataError, OutputError
 from moco_retrieval.indexer import metadata
-from moco_retrieval.indexer.faiss_index import build_index, choose_factory, exact_knn, recall_at_k
+from moco_retrieval.indexer.factory import Factory
+from moco_retrieval.indexer.faiss_index import build_index, choose_factory, exact_knn, read_flags, recall_at_k
 from moco_retrieval.indexer.layout import IndexLayout, current_generation
 from moco_retrieval.indexer.metadata import MetadataStore
 from moco_retrieval.indexer.scan import read_labels_csv, scan_folder
 from moco_retrieval.indexer.shards import WorkShards, discard_other_models
+from moco_retrieval.indexer.vectors import block_dtype
 
 
 def _clustered(n: int, d: int = 32, clusters: int = 20, seed: int = 0) -> np.ndarray:
@@ -89,6 +91,32 @@ def test_build_index__wrong_count_is_an_index_build_error():
     xb = _clustered(100, 8)
     with pytest.raises(IndexBuildError, match="expected 150"):
         build_index("IDMap2,Flat", 8, 150, _source(np.arange(100), xb))
+
+
+@pytest.mark.parametrize("factory, kind, nlist, pq_m, exact", [
+    ("IDMap2,Flat", "flat", None, None, True),
+    ("IDMap2,HNSW32", "hnsw", None, None, False),
+    ("IVF1024,Flat", "ivf", 1024, None, False),
+    ("IVF1024,PQ64x8np", "ivfpq", 1024, 64, False),
+    ("OPQ16_64,IVF1024,Flat", "custom", 1024, None, False),   # "PQ" in the string, but Flat codes
+    ("IVF1024_HNSW32,PQ16", "custom", 1024, 16, False),
+    ("IDMap2,PCA16,Flat", "custom", None, None, False),
+])
+def test_factory__questions_are_answered_from_its_components(factory, kind, nlist, pq_m, exact):
+    parsed = Factory.parse(factory)
+    assert (parsed.kind, parsed.nlist, parsed.pq_m, parsed.exact) == (kind, nlist, pq_m, exact)
+    assert parsed.is_ivf == (nlist is not None) and parsed.pq_codes == (pq_m is not None)
+
+
+def test_factory__opq_with_flat_codes_keeps_float32_blocks_and_no_re_ranking():
+    n, d = 2000, 32
+    xb = _clustered(n, d)
+    ids = np.arange(n, dtype=np.int64)
+    factory = choose_factory("OPQ8_32,IVF16,Flat", n, d)
+    assert block_dtype(factory) == np.float32 and block_dtype("IVF16,PQ8x4np") == np.float16
+    built = build_index(factory, d, n, _source(ids, xb), use_gpu=False)
+    assert "refine" not in built.search_params and built.recall_at_10 > 0.9
+    assert read_flags(factory) == faiss.IO_FLAG_MMAP | faiss.IO_FLAG_READ_ONLY  # IVF lists are mapped
 
 
 # -- LMDB -------------------------------------------------------------------------------------------------------

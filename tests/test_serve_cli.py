@@ -80,3 +80,20 @@ def test_demo_cli__serves_at_the_end_unless_no_serve():
     assert build_parser().parse_args(["demo"]).serve is True
     args = build_parser().parse_args(["demo", "--no-serve", "--port", "9000"])
     assert args.serve is False and args.port == 9000
+
+
+def test_cli__version_and_loudness_flags_in_any_position(served_index, serve_corpus, capsys):
+    import logging
+
+    import moco_retrieval
+    from moco_retrieval.app.cli import split_loudness
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out.strip() == f"moco-retrieval {moco_retrieval.__version__}"
+    assert split_loudness(["search", "I", "q.png", "-v"]) == (logging.DEBUG, ["search", "I", "q.png"])
+    assert split_loudness(["-q", "index", "D", "--", "-v"]) == (logging.WARNING, ["index", "D", "--", "-v"])
+    query = serve_corpus / "red" / "red_009.png"
+    assert main(["search", str(served_index), str(query), "-k", "1", "--json", "-v"]) == 0  # -v after the command
+    assert json.loads(capsys.readouterr().out)["results"][0]["path"] == "red/red_009.png"
+    assert logging.getLogger("PIL").getEffectiveLevel() >= logging.INFO  # -v does not flood with PIL's chunks

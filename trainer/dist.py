@@ -6,12 +6,12 @@ model and the loop never branch on how they were started.
 Launch with torchrun (it sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)::
 
     # one machine, 8 GPUs (NCCL)
-    torchrun --nproc_per_node=8 -m app.cli train DATA --out RUN
+    torchrun --nproc_per_node=8 -m moco_retrieval train DATA --out RUN
     # two machines, 8 GPUs each: run on both, with node_rank 0 and 1
     torchrun --nnodes=2 --node_rank=0 --nproc_per_node=8 --master_addr=HOST0 --master_port=29500 \\
-        -m app.cli train DATA --out RUN
+        -m moco_retrieval train DATA --out RUN
     # two CPU processes (gloo), e.g. for tests
-    torchrun --nproc_per_node=2 -m app.cli train DATA --out RUN --device cpu
+    torchrun --nproc_per_node=2 -m moco_retrieval train DATA --out RUN --device cpu
 """
 from __future__ import annotations
 
