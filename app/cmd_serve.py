@@ -42,11 +42,15 @@ examples:
 """
 
 
-def _engine_config(args, poll_seconds: float, **extra):
+ENGINE_FLAGS = ("model", "device", "threads")  # EngineConfig fields every command of this module takes
+SERVE_FLAGS = ENGINE_FLAGS + ("poll_seconds", "faiss_gpu")  # and those only a server needs
+
+
+def _engine_config(args, **fixed):
+    from moco_retrieval.contracts.options import from_arguments
     from moco_retrieval.serve.engine import EngineConfig
 
-    return EngineConfig(model=args.model, device=args.device, threads=args.threads, poll_seconds=poll_seconds,
-                        **extra)
+    return from_arguments(EngineConfig, args, **fixed)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -61,12 +65,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if args.workers < 1:
             raise ConfigError(f"--workers must be at least 1, got {args.workers}")
         threads = args.threads or max(1, available_cores() // args.workers)  # the cores, shared by the workers
-        config = _engine_config(args, poll_seconds=args.poll_seconds, faiss_gpu=args.faiss_gpu)
-        config.threads = threads
+        config = _engine_config(args, threads=threads)
         _check_index(args.index_dir, args.model)  # once here: a bad index fails in one line, not in N workers
         serve_workers(args.index_dir, config, args.host, args.port, ui=args.ui, workers=args.workers)
         return 0
-    config = _engine_config(args, poll_seconds=args.poll_seconds, faiss_gpu=args.faiss_gpu)
+    config = _engine_config(args)
     with SearchEngine(args.index_dir, config) as engine:
         serve_forever(engine, args.host, args.port, ui=args.ui)
     return 0
@@ -81,7 +84,6 @@ def _check_index(index_dir: str, model: str | None) -> None:
     """
     import hashlib
     from pathlib import Path
-    from types import SimpleNamespace
 
     from moco_retrieval.indexer.encoder import read_encoder_metadata
     from moco_retrieval.indexer.index_dir import IndexDirectory
@@ -89,9 +91,8 @@ def _check_index(index_dir: str, model: str | None) -> None:
     with IndexDirectory.open(index_dir) as directory:
         path = Path(model) if model else directory.encoder_path
         meta = read_encoder_metadata(path)
-        encoder = SimpleNamespace(path=path, sha256=hashlib.sha256(path.read_bytes()).hexdigest(),
-                                  embedding_dim=meta["embedding_dim"])
-        directory.manifest.check_encoder(encoder, str(index_dir), "serve it with the model it was built with")
+        directory.manifest.check_encoder(hashlib.sha256(path.read_bytes()).hexdigest(), meta["embedding_dim"], path,
+                                         str(index_dir), "serve it with the model it was built with")
 
 
 def cmd_search(args: argparse.Namespace) -> int:
@@ -132,14 +133,12 @@ def cmd_classify(args: argparse.Namespace) -> int:
     return 0
 
 
-def _common(p: argparse.ArgumentParser) -> None:
+def _common(p: argparse.ArgumentParser, flags: tuple[str, ...] = ENGINE_FLAGS) -> None:
+    from moco_retrieval.contracts.options import add_arguments
+    from moco_retrieval.serve.engine import EngineConfig
+
     p.add_argument("index_dir", metavar="INDEX_DIR", help="an index directory written by `moco index`")
-    p.add_argument("--model", default=None, metavar="ENCODER_ONNX",
-                   help="use this encoder instead of the copy inside INDEX_DIR (it must be the model the index "
-                        "was built with; anything else is refused)")
-    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
-                   help="where the encoder runs (default auto: the GPU when usable)")
-    p.add_argument("--threads", type=int, default=None, help="encoder CPU threads (default: all usable cores)")
+    add_arguments(p, EngineConfig, only=flags)
 
 
 
@@ -150,19 +149,14 @@ def register(sub) -> None:
                        description="Start a web server over an index directory: a web app at / (drop an image, "
                                    "see its nearest neighbours and a k-NN label), and a JSON API under /api.",
                        epilog=EPILOG_SERVE, formatter_class=fmt)
-    _common(p)
+    _common(p, SERVE_FLAGS)
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0 for all)")
     p.add_argument("--port", type=int, default=7860, help="port to listen on (default 7860)")
-    p.add_argument("--poll-seconds", type=float, default=1.0,
-                   help="how often to check INDEX_DIR for a newly published index (default 1; 0 never)")
     p.add_argument("--no-ui", dest="ui", action="store_false", help="serve only the JSON API, without the web app")
     p.add_argument("--workers", type=int, default=1,
                    help="server processes on the port, sharing one memory-mapped index (default 1); the encoder "
                         "threads are split between them unless --threads is given")
-    p.add_argument("--faiss-gpu", default="auto", choices=("auto", "none", "one", "all"),
-                   help="search Flat / IVF indexes on GPU 0 (one), sharded over all GPUs (all), or on the CPU "
-                        "(none); auto uses all GPUs when FAISS sees any (default)")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("search", help="print the indexed images most similar to an image",

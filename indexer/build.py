@@ -272,7 +272,8 @@ def _prepare(cfg: IndexConfig, layout: IndexLayout, image_root: Path, labels, wo
     run.previous = layout.current()
     run.prev_manifest = IndexManifest.read(layout.generation(run.previous).manifest) if run.previous else None
     if run.prev_manifest is not None and not cfg.rebuild:
-        run.prev_manifest.check_encoder(encoder, str(layout.root), "pass --rebuild to re-embed everything with it")
+        run.prev_manifest.check_encoder(encoder.sha256, encoder.embedding_dim, encoder.path, str(layout.root),
+                                        "pass --rebuild to re-embed everything with it")
         if Path(run.prev_manifest.image_root) != image_root:
             raise ArtifactError(f"{layout.root} indexes {run.prev_manifest.image_root}, not {image_root}; use "
                                 "another --out, or pass --rebuild to index this folder instead")

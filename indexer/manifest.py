@@ -103,20 +103,21 @@ class IndexManifest:
         return manifest
 
     # -- checks -----------------------------------------------------------------------------------------------
-    def check_encoder(self, encoder, where: str, remedy: str) -> None:
+    def check_encoder(self, sha256: str, embedding_dim: int, path, where: str, remedy: str) -> None:
         """Refuse an encoder that did not make these vectors.
 
         Args:
-            encoder: anything with ``sha256``, ``embedding_dim`` and ``path`` (an ``OnnxEncoder``).
+            sha256, embedding_dim: the encoder file's sha256 and the dimension it declares.
+            path: the encoder file, for the message.
             where: the index directory, for the message.
             remedy: what the user should do, appended to the message.
 
         Raises:
             ArtifactError: another model (sha256), or vectors of another dimension.
         """
-        if encoder.sha256 != self.model_sha256:
+        if sha256 != self.model_sha256:
             raise ArtifactError(f"index {where} was built with another model ({self.model_sha256[:12]}; "
-                                f"{encoder.path} is {encoder.sha256[:12]}); {remedy}")
-        if encoder.embedding_dim != self.embedding_dim:
-            raise ArtifactError(f"index {where} holds {self.embedding_dim}-d vectors, but {encoder.path} makes "
-                                f"{encoder.embedding_dim}-d ones; {remedy}")
+                                f"{path} is {sha256[:12]}); {remedy}")
+        if embedding_dim != self.embedding_dim:
+            raise ArtifactError(f"index {where} holds {self.embedding_dim}-d vectors, but {path} makes "
+                                f"{embedding_dim}-d ones; {remedy}")

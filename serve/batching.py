@@ -56,8 +56,8 @@ class MicroBatcher:
         max_wait: seconds the worker waits for more jobs after the first one arrived.
     """
 
-    def __init__(self, run: Callable[[Any, np.ndarray, int], tuple[list, dict[str, float]]], max_batch: int = 32,
-                 max_wait: float = 0.002, name: str = "moco-batcher"):
+    def __init__(self, run: Callable[[Any, np.ndarray, int], tuple[list, dict[str, float]]], max_batch: int,
+                 max_wait: float, name: str = "moco-batcher"):
         self._run = run
         self.max_batch = max_batch
         self.max_wait = max_wait

@@ -41,6 +41,7 @@ from moco_retrieval.contracts.errors import (
 )
 from moco_retrieval.contracts.images import decode_image
 from moco_retrieval.contracts.knn import KNN_K, KNN_TEMPERATURE, SEARCH_K
+from moco_retrieval.contracts.options import option
 from moco_retrieval.indexer.encoder import available_cores
 from moco_retrieval.indexer.layout import current_generation
 from moco_retrieval.serve.batching import MicroBatcher
@@ -56,12 +57,14 @@ MAX_K = 1000
 class EngineConfig:
     """How the engine opens and serves an index."""
 
-    model: str | None = None    # serve with this encoder.onnx instead of the index's copy (must be the same model)
-    device: str = "auto"        # encoder device: auto, cpu or cuda
+    model: str | None = option(None, "use this encoder instead of the copy inside INDEX_DIR (it must be the model "
+                               "the index was built with; anything else is refused)", "encoder", metavar="ENCODER_ONNX")
+    device: str = option("auto", "where the encoder runs: auto uses the GPU when usable", "encoder",
+                         choices=("auto", "cpu", "cuda"))
     # Encoder CPU threads (default: the usable cores). Measured with bench/serve_latency.py on 2 cores: with the
     # bench's small-stem ResNet-18 (10 ms of CPU per image, the encoder is the bottleneck) 2 threads served 122
     # req/s at 8 clients against 93 with 1; with the ImageNet stem (0.8 ms) 1 and 2 were within noise.
-    threads: int | None = None
+    threads: int | None = option(None, "encoder CPU threads (default: all usable cores)", "encoder")
     # Encoder threads spin-wait between runs (ONNX Runtime's default). Off: a server's runs come and go, and
     # spinning threads take the cores the HTTP work needs (measured, 2 cores, 8 clients, ImageNet-stem
     # ResNet-18: server CPU per request 4.2 -> 2.9 ms; 1 client: 10.7 -> 4.0 ms).
@@ -74,13 +77,16 @@ class EngineConfig:
     max_wait_ms: float = 0.0
     # Decodes running at once (default: the usable cores); more wait. Bounds the memory of concurrent uploads.
     decode_slots: int | None = None
-    poll_seconds: float = 1.0   # how often CURRENT is checked for a new generation (0: never)
+    poll_seconds: float = option(1.0, "how often to check INDEX_DIR for a newly published index, in seconds (0: "
+                                 "never)", "index")
     max_k: int = MAX_K          # the largest k a query may ask for
     # FAISS OpenMP threads of the threads that search (None leaves FAISS's default). Queries come one micro-batch at a
     # time, where starting an OpenMP team costs more than it saves: measured 12 ms vs 0.5 ms per single
     # query on a 2,000-item flat index with 2 busy cores. Raise it for big batches on large IVF/HNSW indexes.
     faiss_threads: int | None = 1
-    faiss_gpu: str = "none"     # search Flat / IVF indexes on GPUs: none, auto, one or all (indexer.faiss_gpu)
+    faiss_gpu: str = option("auto", "search Flat / IVF indexes on GPU 0 (one), sharded over all GPUs (all), or on "
+                            "the CPU (none); auto uses all GPUs when FAISS sees any", "index",
+                            choices=("auto", "none", "one", "all"))
 
     def __post_init__(self):
         if self.max_batch < 1:

@@ -84,10 +84,11 @@ class ServedGeneration:
         self._labels: dict[str, int] | None = None
 
     @classmethod
-    def open(cls, index_dir: str | os.PathLike, model: str | os.PathLike | None = None,
-             reuse: OnnxEncoder | None = None, device: str = "auto", threads: int | None = None,
-             faiss_threads: int | None = None, spin: bool = True, faiss_gpu: str = "none") -> "ServedGeneration":
-        """Open the live generation of ``index_dir`` with its own encoder (or ``model``) and check them.
+    def open(cls, index_dir: str | os.PathLike, *, model: str | os.PathLike | None, reuse: OnnxEncoder | None,
+             device: str, threads: int | None, faiss_threads: int | None, spin: bool,
+             faiss_gpu: str) -> "ServedGeneration":
+        """Open the live generation of ``index_dir`` with its own encoder (or ``model``) and check them. The
+        options have no defaults here: they are :class:`~serve.engine.EngineConfig`'s, stated once there.
 
         Args:
             model: serve with this encoder file instead of the copy inside the index (must be the same model).
@@ -107,8 +108,9 @@ class ServedGeneration:
             else:
                 encoder = OnnxEncoder(model if model is not None else directory.encoder_path, device=device,
                                       threads=threads, spin=spin)
-            manifest.check_encoder(encoder, str(index_dir), "serve it with the model it was built with, or rebuild "
-                                   f"it with `moco index IMAGE_DIR --model {encoder.path} --out {index_dir}`")
+            manifest.check_encoder(encoder.sha256, encoder.embedding_dim, encoder.path, str(index_dir),
+                                   "serve it with the model it was built with, or rebuild it with `moco index "
+                                   f"IMAGE_DIR --model {encoder.path} --out {index_dir}`")
         except BaseException:
             close_directory(directory)
             raise

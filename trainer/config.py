@@ -1,6 +1,6 @@
 """The typed training configuration: one dataclass, validated on construction, round-tripping to JSON, and the
 single statement of every training option: ``moco train``'s flags are generated from the fields and their
-``help`` metadata (:func:`add_arguments`, :func:`from_arguments`), so an option is declared once.
+``help`` metadata (:mod:`contracts.options`, as every command's are), so an option is declared once.
 
 Fields left at ``None`` are derived when the run starts, from the user's data size, batch size and time budget
 by the recipe (``--recipe auto``, :mod:`trainer.recipes`) or taken from the papers (``--recipe paper``); the
@@ -13,12 +13,13 @@ import dataclasses
 import json
 import os
 import re
-import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
+from moco_retrieval.contracts import options
 from moco_retrieval.contracts.errors import ConfigError
 from moco_retrieval.contracts.knn import KNN_K, KNN_TEMPERATURE
+from moco_retrieval.contracts.options import option
 
 RESNETS = ("resnet18", "resnet34", "resnet50")
 VITS = ("vit_tiny", "vit_small", "vit_base")
@@ -32,14 +33,6 @@ RESUME_MUST_MATCH = (
     "temperature", "seed", "bn_splits", "recipe", "time_budget",
 )
 GROUPS = ("model", "recipe and schedule", "running", "k-NN monitor")
-
-
-def option(default, help: str, group: str, cli: bool = True, **argparse_kwargs):
-    """A config field with its command-line help (``cli=False``: not a flag)."""
-    meta = {"help": help, "group": group, "cli": cli, "argparse": argparse_kwargs}
-    if default in (dict, list) or (callable(default) and not isinstance(default, type)):
-        return field(default_factory=default, metadata=meta)  # a fresh container / a value computed per config
-    return field(default=default, metadata=meta)
 
 
 def _default_workers() -> int:
@@ -252,46 +245,11 @@ class TrainConfig:
 
 
 # -- the command line -----------------------------------------------------------------------------------------------
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-def _value_type(annotation):
-    """``int | None`` -> int; the type argparse should convert a flag's value to."""
-    hints = [a for a in typing.get_args(annotation) if a is not type(None)] if typing.get_args(annotation) else []
-    base = hints[0] if hints else annotation
-    return {"int": int, "float": float, "str": str, "bool": bool}.get(getattr(base, "__name__", str(base)), base)
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add one flag per command-line field of :class:`TrainConfig`, grouped, with the field's help and default."""
-    hints = typing.get_type_hints(TrainConfig)
-    groups = {name: parser.add_argument_group(name) for name in GROUPS}
-    for f in dataclasses.fields(TrainConfig):
-        meta = f.metadata
-        if not meta.get("cli", False):
-            continue
-        kwargs = dict(meta.get("argparse", {}))
-        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-        help_text = meta["help"]
-        kind = _value_type(hints[f.name])
-        if kind is bool and "action" not in kwargs:
-            if default:  # a switch that is on: the flag turns it off
-                groups[meta["group"]].add_argument(_flag("no_" + f.name), dest=f.name, action="store_false",
-                                                   default=True, help=help_text)
-            else:
-                groups[meta["group"]].add_argument(_flag(f.name), dest=f.name, action="store_true", default=False,
-                                                   help=help_text)
-            continue
-        if "action" not in kwargs:
-            kwargs["type"] = kind
-        if default is not None and default != "" and kind is not bool:
-            help_text += f" (default {default})"
-        groups[meta["group"]].add_argument(_flag(f.name), dest=f.name, default=default, help=help_text, **kwargs)
+    options.add_arguments(parser, TrainConfig, GROUPS)
 
 
 def from_arguments(args: argparse.Namespace, **fixed) -> TrainConfig:
     """The :class:`TrainConfig` of parsed arguments (``fixed`` sets the non-flag fields: data_dir, out_dir)."""
-    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)
-              if f.metadata.get("cli", False) and hasattr(args, f.name)}
-    return TrainConfig(**values, **fixed)
+    return options.from_arguments(TrainConfig, args, **fixed)
