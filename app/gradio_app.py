@@ -219,6 +219,7 @@ def mount_ui(app: FastAPI, engine: SearchEngine, path: str = "/", max_file_size:
     # {"path": "/etc/passwd"} had the file copied into the cache and served back, and "/dev/zero" froze the loop.
     ui.has_launched = True
     app.add_middleware(_ClosedPaths, paths=tuple(path.rstrip("/") + route for route in DEV_ROUTES))
+    app.add_middleware(_NotFoundInOurFormat)
     _start_upload_sweeper(ui, upload_cache_bytes)
     return app
 
@@ -237,6 +238,51 @@ class _ClosedPaths:
             await JSONResponse({"error": f"{scope['path']} is not served"}, status_code=404)(scope, receive, send)
             return
         await self.app(scope, receive, send)
+
+
+class _NotFoundInOurFormat:
+    """Pure ASGI middleware: a 404 that Gradio (or Starlette) answers as ``{"detail": ...}`` is sent in the
+    project's error format, ``{"error": "<one line>"}``. Only 404s: Gradio's page reads ``detail`` of its other
+    errors (a refused upload, a queue error), so those pass unchanged."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        held: dict = {}
+
+        async def rewriting_send(message):
+            if message["type"] == "http.response.start" and message["status"] == 404:
+                headers = dict(message.get("headers") or [])
+                if headers.get(b"content-type", b"").startswith(b"application/json"):
+                    held["start"], held["body"] = message, b""
+                    return
+            if "start" in held and message["type"] == "http.response.body":
+                held["body"] += message.get("body", b"")
+                if message.get("more_body"):
+                    return
+                await _send_json_404(send, held.pop("start"), held.pop("body"), scope["path"])
+                return
+            await send(message)
+
+        await self.app(scope, receive, rewriting_send)
+
+
+async def _send_json_404(send, start: dict, body: bytes, path: str) -> None:
+    import json
+
+    try:
+        detail = json.loads(body)
+    except ValueError:
+        detail = None
+    if isinstance(detail, dict) and set(detail) == {"detail"}:
+        body = json.dumps({"error": f"{path} not found; the web app is at /, the API at /api (see /docs)"}).encode()
+    headers = [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"]
+    await send({**start, "headers": headers + [(b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
 
 
 def trim_uploads(files: set[str], max_bytes: int) -> int:

@@ -231,9 +231,13 @@ def create_app(engine: SearchEngine | str | os.PathLike, max_upload_bytes: int =
         if owned:
             engine.close()
 
+    from fastapi_offline import FastAPIOffline
+
     from moco_retrieval import __version__
 
-    app = FastAPI(
+    # FastAPIOffline: FastAPI whose /docs and /redoc pages load their scripts from this server, not from a CDN
+    # (blank pages on an air-gapped host otherwise)
+    app = FastAPIOffline(
         title="moco-retrieval",
         version=__version__,  # the package's: the API is versioned with it
         summary="Nearest-neighbour image search and k-NN classification over a `moco index` directory.",

@@ -71,6 +71,26 @@ def test_knn_top1__matches_hand_computed_vote():
     assert rows[0]["top1"] == 0.0
 
 
+def test_knn_top1__leave_one_out_never_lets_a_sample_vote_for_itself():
+    xb = np.array([[1, 0], [0.99, 0.141], [0, 1], [0.141, 0.99]], dtype=np.float32)
+    yb = np.array([0, 1, 0, 1])  # each sample's nearest other sample has the other class
+    assert knn_top1(xb, yb, xb, yb, num_classes=2, ks=(1,))[0]["top1"] == 1.0  # finds itself: inflated
+    rows = knn_top1(xb, yb, xb, yb, num_classes=2, ks=(1, 10), leave_one_out=True)
+    assert [r["top1"] for r in rows][0] == 0.0 and [r["k_used"] for r in rows] == [1, 3]
+
+
+def test_eval_knn__same_train_and_test_folder_is_measured_leave_one_out(colour_split, tmp_path, capsys, caplog):
+    ckpt = _random_init_checkpoint(tmp_path / "random.pt", "resnet18", 2)
+    folder = colour_split[0]
+    with caplog.at_level("WARNING"):
+        assert main(["eval", "knn", "--train", str(folder), "--test", str(folder) + "/", str(ckpt), "--out",
+                     str(tmp_path / "knn.json"), "--device", "cpu", "--batch-size", "16"]) == 0
+    doc = json.loads((tmp_path / "knn.json").read_text())
+    assert doc["same_folder"] and doc["leave_one_out"]
+    assert all(r["k_used"] < doc["train_images"] for r in doc["results"])
+    assert "leave-one-out" in caplog.text
+
+
 def test_linear_probe__separable_features_reach_full_accuracy():
     rng = np.random.default_rng(0)
     centres = rng.normal(size=(4, 16)) * 3

@@ -75,7 +75,17 @@ def test_items__record_neighbours_health_stats_and_docs(client, served_engine):
     paths = client.get("/openapi.json").json()["paths"]
     assert {"/api/search", "/api/classify", "/api/items/{item_id}", "/api/items/{item_id}/image",
             "/api/health", "/api/stats"} <= set(paths)
-    assert client.get("/docs").status_code == 200
+    import re
+
+    import moco_retrieval
+
+    assert client.get("/openapi.json").json()["info"]["version"] == moco_retrieval.__version__
+    for page in ("/docs", "/redoc"):  # offline: every script and style sheet comes from this server
+        html = client.get(page)
+        assert html.status_code == 200, page
+        assets = re.findall(r'(?:src|href)="([^"]+\.(?:js|css))"', html.text)
+        assert assets and all(url.startswith("/") for url in assets), (page, assets)
+        assert all(client.get(url).status_code == 200 for url in assets), (page, assets)
 
 
 @pytest.mark.parametrize("case", ["not_an_image", "truncated", "enormous", "empty", "missing_field",

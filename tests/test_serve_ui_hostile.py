@@ -127,3 +127,11 @@ def test_gradio__two_workers_refuse_server_paths(served_index, serve_corpus):
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+def test_gradio__unknown_paths_answer_404_in_the_projects_error_format(live_server):
+    for path in ("/nope", "/gradio_api/nope", "/gradio_api/dev/reload", "/api/nope"):
+        r = httpx.get(live_server.url + path, timeout=10)
+        assert r.status_code == 404, path
+        body = r.json()
+        assert set(body) == {"error"} and "\n" not in body["error"], (path, body)

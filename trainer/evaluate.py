@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -159,7 +160,8 @@ def embed(embedder, images: LabeledImages, chunk: int = 512) -> np.ndarray:
 
 # ---- protocols -------------------------------------------------------------------------------------------
 def knn_top1(xb: np.ndarray, yb: np.ndarray, xq: np.ndarray, yq: np.ndarray, num_classes: int,
-             ks: tuple[int, ...] = EVAL_KS, temperature: float = KNN_TEMPERATURE) -> list[dict]:
+             ks: tuple[int, ...] = EVAL_KS, temperature: float = KNN_TEMPERATURE,
+             leave_one_out: bool = False) -> list[dict]:
     """Weighted k-NN top-1 accuracy (cosine similarity, votes ``exp(s / T)``), one row per k.
 
     Args:
@@ -167,6 +169,8 @@ def knn_top1(xb: np.ndarray, yb: np.ndarray, xq: np.ndarray, yq: np.ndarray, num
         xq, yq: queries, [M, D] L2-normalised and [M] class indices.
         num_classes: size of the label space.
         ks: neighbour counts; each is clipped to N (the row records both).
+        leave_one_out: the queries are the memory bank itself (same rows, same order): each one's own row is
+            left out of its vote, so a sample never finds itself.
 
     Returns:
         ``[{"metric": "knn_top1", "k": k, "k_used": k', "temperature": T, "top1": acc}, ...]``.
@@ -177,9 +181,10 @@ def knn_top1(xb: np.ndarray, yb: np.ndarray, xq: np.ndarray, yq: np.ndarray, num
     xb_t, yb_t, xq_t = torch.from_numpy(xb), torch.from_numpy(yb), torch.from_numpy(xq)
     rows = []
     for k in ks:
-        scores = knn_predict(xb_t, yb_t, xq_t, num_classes, k=k, temperature=temperature)
+        scores = knn_predict(xb_t, yb_t, xq_t, num_classes, k=k, temperature=temperature, exclude_self=leave_one_out)
         top1 = float((scores.argmax(1).numpy() == yq).mean())
-        rows.append({"metric": "knn_top1", "k": k, "k_used": min(k, n), "temperature": temperature, "top1": top1})
+        k_used = min(k, n - 1 if leave_one_out else n)
+        rows.append({"metric": "knn_top1", "k": k, "k_used": k_used, "temperature": temperature, "top1": top1})
     return rows
 
 
@@ -246,16 +251,25 @@ def evaluate(protocol: str, embedder, train_dir: str | Path, test_dir: str | Pat
     if protocol not in ("knn", "linear"):
         raise ValueError(f"unknown protocol {protocol!r}")
     train, test, classes = load_labeled_pair(train_dir, test_dir)
-    xb, xq = embed(embedder, train), embed(embedder, test)
+    same = os.path.realpath(train.folder) == os.path.realpath(test.folder)  # a test set the model "has seen"
+    xb = embed(embedder, train)
+    xq = xb if same else embed(embedder, test)
     if protocol == "knn":
-        results = knn_top1(xb, train.labels, xq, test.labels, len(classes), ks, temperature)
+        if same:
+            LOG.warning("--train and --test are the same folder: k-NN is measured leave-one-out (each image voted "
+                        "on by the others)")
+        results = knn_top1(xb, train.labels, xq, test.labels, len(classes), ks, temperature, leave_one_out=same)
     else:
+        if same:
+            LOG.warning("--train and --test are the same folder: the linear probe's figure is its training "
+                        "accuracy, not a test accuracy; pass a held-out --test folder")
         results = [linear_probe(xb, train.labels, xq, test.labels, len(classes), probe or LinearProbeConfig())]
     return {
         "format": EVAL_FORMAT, "format_version": EVAL_VERSION, "protocol": protocol,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "model": describe_embedder(embedder), "train_dir": str(train.folder), "test_dir": str(test.folder),
         "train_images": len(train.paths), "test_images": len(test.paths), "classes": classes, "results": results,
+        "same_folder": same, "leave_one_out": same and protocol == "knn",
     }
 
 
