@@ -50,7 +50,10 @@ from moco_retrieval.contracts.filenames import display_name
 
 LOG = logging.getLogger(__name__)
 
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff")
+# Every raster format the decode reads and the server accepts as a query (GIF: the first frame; ICO: the largest
+# size), so nothing a user can search with is silently left out of an index.
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".jpe", ".jfif", ".png", ".webp", ".bmp", ".tif", ".tiff", ".gif", ".avif",
+                    ".ico")
 # The largest image any stage decodes (Pillow's own bomb guard is twice its default of this value).
 MAX_IMAGE_PIXELS = 89_478_485
 # The most elongated image any stage decodes (long side / short side). The encoder's resize keeps the aspect

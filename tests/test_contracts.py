@@ -136,6 +136,18 @@ def _jpeg_cmyk() -> bytes:
 
 
 # -- walk -----------------------------------------------------------------------------------------------------
+def test_walk_image_files__every_format_the_decode_reads_is_found_and_decodes(tmp_path):
+    image = _pattern(16, 16)  # ICO's smallest size
+    for ext, fmt in ((".gif", "GIF"), (".jfif", "JPEG"), (".jpe", "JPEG"), (".avif", "AVIF"), (".ico", "ICO"),
+                     (".JPG", "JPEG")):
+        image.save(tmp_path / f"x{ext}", format=fmt)
+    found = walk_image_files(tmp_path)
+    assert sorted(f.path for f in found) == sorted(f"x{ext}" for ext in (".gif", ".jfif", ".jpe", ".avif", ".ico",
+                                                                        ".JPG"))
+    for f in found:
+        assert decode_image(tmp_path / f.path).size == (16, 16), f.path
+
+
 def test_walk_image_files__sorted_labeled_and_only_regular_files(tmp_path):
     (tmp_path / "b").mkdir()
     (tmp_path / "a").mkdir()
