@@ -138,3 +138,28 @@ def test_concurrent_requests__all_answered_correctly(client, serve_corpus):
     for path, r in answers:
         assert r.status_code == 200, r.text
         assert r.json()["results"][0]["path"] == str(path.relative_to(serve_corpus))
+
+
+def test_upload_budget__requests_past_the_bytes_in_flight_wait_for_others():
+    import asyncio
+
+    from moco_retrieval.serve.http import ByteBudget
+
+    async def scenario():
+        budget, order = ByteBudget(100), []
+
+        async def request(name: str, n: int, seconds: float):
+            async with budget.hold(n):
+                order.append(f"{name}+")
+                assert budget.used <= 100 or budget.used == n  # over the budget only alone
+                await asyncio.sleep(seconds)
+                order.append(f"{name}-")
+
+        await asyncio.gather(request("a", 60, 0.05), request("b", 60, 0.01), request("c", 30, 0.01))
+        await asyncio.gather(request("big", 500, 0.01))  # larger than the whole budget: runs alone
+        return order
+
+    order = asyncio.run(scenario())
+    assert order.index("b+") > order.index("a-")  # b waited until a let go of its 60 bytes
+    assert order.index("c+") < order.index("a-")  # c fitted beside a
+    assert order[-2:] == ["big+", "big-"]
