@@ -184,6 +184,7 @@ class SearchEngine:
         self._current = self._open(reuse=None)
         self._swap_lock = threading.Lock()
         self._failed_generation: str | None = None
+        self._pointer_problem: str | None = None  # the last unreadable-CURRENT message logged
         self.swaps = 0
         self.queries = 0  # query images answered
         self._count_lock = threading.Lock()
@@ -252,16 +253,21 @@ class SearchEngine:
             try:
                 live = current_generation(self.index_dir)
             except ArtifactError as exc:
-                LOG.warning("cannot read the live generation of %s: %s", self.index_dir, exc)
+                if str(exc) != self._pointer_problem:  # once per problem, not once per poll
+                    LOG.warning("cannot read the live generation of %s: %s", self.index_dir, exc)
+                    self._pointer_problem = str(exc)
                 return False
+            self._pointer_problem = None
             old = self._current
             if live == old.name or live == self._failed_generation:
                 return False
             try:
                 new = self._open(reuse=old.encoder)
-            except MocoError as exc:
+            except Exception as exc:  # whatever a damaged generation raises: skip it until another is published
                 self._failed_generation = live
-                LOG.error("not switching to generation %s of %s: %s", live, self.index_dir, exc)
+                reason = str(exc) if isinstance(exc, MocoError) else f"{type(exc).__name__}: {exc}".splitlines()[0]
+                LOG.error("not switching to generation %s of %s: %s", live, self.index_dir, reason)
+                LOG.debug("generation %s could not be opened", live, exc_info=True)
                 return False
             self._current, self._failed_generation = new, None
             self.swaps += 1

@@ -250,3 +250,29 @@ def test_search_async__same_answer_as_search_and_a_cancelled_request_releases_it
     assert gen._refs == 0
     with pytest.raises(DataError, match="not a readable image"):
         asyncio.run(served_engine.search_async([b"not an image"], k=5))
+
+
+def test_engine__a_bad_new_generation_is_logged_once_and_the_old_one_serves_on(private_index, caplog, monkeypatch):
+    import logging
+    import shutil
+
+    corpus, index = private_index
+    engine = SearchEngine(index, EngineConfig(device="cpu", threads=1, poll_seconds=0))
+    try:
+        old = engine.generation
+        shutil.copytree(index / "generations" / old, index / "generations" / "g000099")
+        (index / "CURRENT").write_text("g000099\n")
+
+        def broken(reuse):  # whatever a damaged generation raises, not only MocoError
+            raise ValueError("cannot reshape array of size 3\nsecond line")
+
+        monkeypatch.setattr(engine, "_open", broken)
+        with caplog.at_level(logging.WARNING, logger="moco_retrieval.serve.engine"):
+            assert [engine.refresh() for _ in range(3)] == [False, False, False]
+        errors = [r for r in caplog.records if r.levelno >= logging.WARNING]
+        assert len(errors) == 1 and "g000099" in errors[0].getMessage() and errors[0].exc_info is None
+        assert "\n" not in errors[0].getMessage() and "ValueError: cannot reshape" in errors[0].getMessage()
+        assert engine.generation == old
+        assert engine.search([corpus / "red" / "red_001.png"], k=1)[0].hits[0]["path"] == "red/red_001.png"
+    finally:
+        engine.close()
