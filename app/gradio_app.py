@@ -30,7 +30,7 @@ import gradio as gr
 from fastapi import FastAPI
 
 from moco_retrieval.contracts.atomic import atomic_write
-from moco_retrieval.contracts.errors import MocoError
+from moco_retrieval.contracts.errors import MocoError, OutputError
 from moco_retrieval.contracts.filenames import display_name
 from moco_retrieval.contracts.knn import KNN_TEMPERATURE, SEARCH_K
 from moco_retrieval.serve.engine import SearchEngine, knn_vote
@@ -211,6 +211,7 @@ def mount_ui(app: FastAPI, engine: SearchEngine, path: str = "/", max_file_size:
     upload limit, by default), and all uploads together are kept under ``upload_cache_bytes``."""
     from moco_retrieval.serve.http import MAX_UPLOAD_BYTES
 
+    check_upload_folder()
     ui = build_ui(engine)
     app = gr.mount_gradio_app(app, ui, path=path, footer_links=["api"],
                               max_file_size=max_file_size or MAX_UPLOAD_BYTES)
@@ -222,6 +223,26 @@ def mount_ui(app: FastAPI, engine: SearchEngine, path: str = "/", max_file_size:
     app.add_middleware(_NotFoundInOurFormat)
     _start_upload_sweeper(ui, upload_cache_bytes)
     return app
+
+
+def check_upload_folder() -> Path:
+    """Gradio's upload folder (``GRADIO_TEMP_DIR``, else the system's temp folder), created and writable.
+
+    Raises:
+        OutputError: it cannot be written (read-only, not a folder, full).
+    """
+    from gradio.utils import get_upload_folder
+
+    folder = Path(get_upload_folder())
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".write-test-{os.getpid()}"
+        probe.write_bytes(b"ok")
+        probe.unlink()
+    except OSError as exc:
+        raise OutputError(f"the web app's upload folder {folder} is not writable ({exc.strerror or exc}); set "
+                          "GRADIO_TEMP_DIR to a writable folder, or serve the API alone with --no-ui") from exc
+    return folder
 
 
 class _ClosedPaths:
