@@ -17,3 +17,15 @@ try:
     __version__ = _version("moco-retrieval")
 except _NotFound:  # a checkout that was never installed
     __version__ = "0+unknown"
+
+__all__ = ["Encoder", "Index", "build_index", "train", "export", "TrainConfig", "IndexConfig", "__version__"]
+
+
+def __getattr__(name: str):
+    """The public API (:mod:`moco_retrieval.api`), imported when first used: ``import moco_retrieval`` stays
+    free of torch, ONNX Runtime and FAISS."""
+    if name in __all__:
+        from moco_retrieval import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'moco_retrieval' has no attribute {name!r}")

@@ -423,6 +423,37 @@ class SearchEngine:
         self._check_k(k)
         return self._neighbours(images, k)
 
+    def search_vectors(self, xq: np.ndarray, k: int = SEARCH_K) -> list[SearchResult]:
+        """The ``k`` nearest items to each query vector.
+
+        Args:
+            xq: float32 ``[n, D]``, L2-normalized rows (as the index's encoder makes them); ``D`` is the
+                index's dimension.
+
+        Raises:
+            DataError: not a finite ``[n, D]`` array of unit rows. ConfigError: k out of range.
+        """
+        self._check_k(k)
+        xq = np.asarray(xq, dtype=np.float32)
+        with self._generation() as gen:
+            d = gen.manifest.embedding_dim
+            if xq.ndim != 2 or xq.shape[1] != d or not len(xq):
+                raise DataError(f"query vectors must be a float32 [n, {d}] array, got shape {list(xq.shape)}")
+            norms = np.linalg.norm(xq, axis=1)
+            if not np.all(np.isfinite(xq)) or np.abs(norms - 1).max() > 1e-3:
+                raise DataError("query vectors must be finite and L2-normalized (unit rows), as the encoder makes "
+                                "them")
+            t0 = time.perf_counter()
+            D, I = gen.search(np.ascontiguousarray(xq), self._fetch_k(gen, k))
+            t1 = time.perf_counter()
+            results = [SearchResult(self._hits(gen, q, d_row, i_row, k), gen.name, {}, len(xq))
+                       for q, d_row, i_row in zip(xq, D, I)]
+            t2 = time.perf_counter()
+        for res in results:
+            res.timings = {"search": (t1 - t0) / len(xq), "metadata": (t2 - t1) / len(xq), "total": (t2 - t0) / len(xq)}
+        self._count(len(xq))
+        return results
+
     def search_by_id(self, item_id: int, k: int = SEARCH_K) -> SearchResult:
         """The ``k`` nearest items to an indexed item (the item itself left out).
 
