@@ -67,11 +67,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         threads = args.threads or max(1, available_cores() // args.workers)  # the cores, shared by the workers
         config = _engine_config(args, threads=threads)
         _check_index(args.index_dir, args.model)  # once here: a bad index fails in one line, not in N workers
-        serve_workers(args.index_dir, config, args.host, args.port, ui=args.ui, workers=args.workers)
+        serve_workers(args.index_dir, config, args.host, args.port, ui=args.ui, workers=args.workers,
+                      metrics=args.metrics)
         return 0
     config = _engine_config(args)
     with SearchEngine(args.index_dir, config) as engine:
-        serve_forever(engine, args.host, args.port, ui=args.ui)
+        serve_forever(engine, args.host, args.port, ui=args.ui, metrics=args.metrics)
     return 0
 
 
@@ -154,6 +155,8 @@ def register(sub) -> None:
                    help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0 for all)")
     p.add_argument("--port", type=int, default=7860, help="port to listen on (default 7860)")
     p.add_argument("--no-ui", dest="ui", action="store_false", help="serve only the JSON API, without the web app")
+    p.add_argument("--no-metrics", dest="metrics", action="store_false",
+                   help="no Prometheus metrics at /metrics (they are on by default)")
     p.add_argument("--workers", type=int, default=1,
                    help="server processes on the port, sharing one memory-mapped index (default 1); the encoder "
                         "threads are split between them unless --threads is given")

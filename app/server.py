@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import socket
+import tempfile
 import threading
 import time
 
@@ -26,11 +27,12 @@ from moco_retrieval.serve.engine import EngineConfig, SearchEngine
 LOG = logging.getLogger(__name__)
 
 
-def make_app(engine: SearchEngine, ui: bool = True) -> FastAPI:
-    """The FastAPI app for ``engine``: JSON API under ``/api``, OpenAPI page at ``/docs``, Gradio UI at ``/``."""
+def make_app(engine: SearchEngine, ui: bool = True, metrics: bool = True) -> FastAPI:
+    """The FastAPI app for ``engine``: JSON API under ``/api``, OpenAPI page at ``/docs``, Prometheus metrics at
+    ``/metrics`` (unless ``metrics`` is off), Gradio UI at ``/``."""
     from moco_retrieval.serve.http import create_app
 
-    app = create_app(engine)
+    app = create_app(engine, metrics=metrics)
     pid = str(os.getpid())
 
     @app.middleware("http")
@@ -69,12 +71,13 @@ def check_port(host: str, port: int) -> None:
             raise ConfigError(f"cannot listen on {host}:{port} ({exc.strerror}); choose another --host/--port") from exc
 
 
-def serve_forever(engine: SearchEngine, host: str = "127.0.0.1", port: int = 7860, ui: bool = True) -> None:
+def serve_forever(engine: SearchEngine, host: str = "127.0.0.1", port: int = 7860, ui: bool = True,
+                  metrics: bool = True) -> None:
     """Serve ``engine`` until Ctrl-C (or SIGTERM); prints the URL once the server listens."""
     import uvicorn
 
     check_port(host, port)
-    app = make_app(engine, ui=ui)
+    app = make_app(engine, ui=ui, metrics=metrics)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)
     shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
@@ -101,11 +104,11 @@ def worker_app() -> FastAPI:
 
     setup_logging(cfg.get("log_level", logging.INFO))
     engine = SearchEngine(cfg["index_dir"], EngineConfig(**cfg["engine"]))
-    return make_app(engine, ui=cfg["ui"])
+    return make_app(engine, ui=cfg["ui"], metrics=cfg.get("metrics", True))
 
 
 def serve_workers(index_dir: str, config: EngineConfig, host: str = "127.0.0.1", port: int = 7860,
-                  ui: bool = True, workers: int = 2) -> None:
+                  ui: bool = True, workers: int = 2, metrics: bool = True) -> None:
     """Serve ``index_dir`` with ``workers`` processes until Ctrl-C (or SIGTERM); prints the URL once they answer.
 
     Raises:
@@ -119,7 +122,13 @@ def serve_workers(index_dir: str, config: EngineConfig, host: str = "127.0.0.1",
         raise ConfigError(f"--workers must be at least 1, got {workers}")
     check_port(host, port)
     os.environ[WORKER_CONFIG_ENV] = json.dumps({"index_dir": str(index_dir), "engine": dataclasses.asdict(config),
-                                                "ui": ui, "log_level": logging.getLogger().getEffectiveLevel()})
+                                                "ui": ui, "log_level": logging.getLogger().getEffectiveLevel(),
+                                                "metrics": metrics})
+    from moco_retrieval.serve.metrics import MULTIPROC_ENV
+
+    # the workers' metrics meet in files here (prometheus_client's multiprocess mode), so any worker reports all
+    samples = tempfile.TemporaryDirectory(prefix="moco-metrics-")
+    os.environ[MULTIPROC_ENV] = samples.name
     shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
     url = f"http://{shown}:{port}/"
     stop = threading.Event()
@@ -141,4 +150,5 @@ def serve_workers(index_dir: str, config: EngineConfig, host: str = "127.0.0.1",
                     log_level="warning", timeout_graceful_shutdown=5)
     finally:
         stop.set()
+        samples.cleanup()
 

@@ -66,6 +66,10 @@ class MicroBatcher:
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
+    def pending(self) -> int:
+        """Jobs waiting for the worker (a moment's view: the metrics' queue depth)."""
+        return self._queue.qsize()
+
     def submit(self, key: Any, rows: np.ndarray, k: int) -> Future:
         """Queue ``rows`` ``[n, ...]`` for ``key`` wanting ``k`` results each; resolves to a :class:`BatchOutput`."""
         if self._closed:

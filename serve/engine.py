@@ -186,6 +186,7 @@ class SearchEngine:
         self._failed_generation: str | None = None
         self._pointer_problem: str | None = None  # the last unreadable-CURRENT message logged
         self.swaps = 0
+        self.last_swap: float | None = None  # time.time() of the last switch to a new generation
         self.queries = 0  # query images answered
         self._count_lock = threading.Lock()
         self._stop = threading.Event()
@@ -271,6 +272,7 @@ class SearchEngine:
                 return False
             self._current, self._failed_generation = new, None
             self.swaps += 1
+            self.last_swap = time.time()
         LOG.info("switched %s from generation %s to %s (%d items)", self.index_dir, old.name, new.name, new.ntotal)
         old.retire()
         return True
@@ -575,6 +577,19 @@ class SearchEngine:
                 if recs and len(picked) < n:
                     picked.append(recs.pop(0))
         return picked
+
+    def queue_depth(self) -> int:
+        """Query batches waiting for the encoder."""
+        return self._batcher.pending()
+
+    def item_count(self) -> int:
+        """Items of the live generation."""
+        return self._current.ntotal
+
+    def encoder_info(self) -> dict:
+        """``provider``, ``arch`` and ``sha256`` of the live generation's encoder."""
+        enc = self._current.encoder
+        return {"provider": enc.provider, "arch": str(enc.metadata.get("arch")), "sha256": enc.sha256}
 
     def stats(self) -> dict:
         """What is served: items, labels, model, index type, recall@10, generation, counters."""

@@ -241,7 +241,7 @@ def add_error_handlers(app: FastAPI) -> None:
 
 
 def create_app(engine: SearchEngine | str | os.PathLike, max_upload_bytes: int = MAX_UPLOAD_BYTES,
-               upload_bytes_in_flight: int = UPLOAD_BYTES_IN_FLIGHT) -> FastAPI:
+               upload_bytes_in_flight: int = UPLOAD_BYTES_IN_FLIGHT, metrics: bool = True) -> FastAPI:
     """The FastAPI application serving ``engine`` (or a new engine over an index directory path).
 
     An engine created here is closed when the application shuts down; a passed-in engine stays the caller's.
@@ -281,6 +281,20 @@ def create_app(engine: SearchEngine | str | os.PathLike, max_upload_bytes: int =
                        message=_too_large_message(max_upload_bytes))
     uploads = ByteBudget(upload_bytes_in_flight)
     app.state.uploads = uploads
+    observe = None
+    if metrics:
+        from moco_retrieval.serve.metrics import RequestMetrics, ServeMetrics
+
+        served = ServeMetrics(engine)
+        observe = served.observe_phases
+        app.add_middleware(RequestMetrics, metrics=served)
+
+        @app.get("/metrics", response_class=Response, tags=["service"])
+        def metrics_text():
+            """Prometheus metrics: requests and latency by route, the engine's phase times, the batcher's queue
+            depth, the live generation and the encoder (every worker's under --workers)."""
+            body, content_type = served.exposition()
+            return Response(body, media_type=content_type)
 
     @app.post("/api/search", response_model=SearchResponse, responses=_ERRORS, tags=["search"])
     async def search(image: UploadFile = File(..., description="the query image (JPEG, PNG, WebP, ...)"),
@@ -289,6 +303,8 @@ def create_app(engine: SearchEngine | str | os.PathLike, max_upload_bytes: int =
         async with uploads.hold(image.size or max_upload_bytes):  # the bytes live until the search is done
             data = await _read_upload(image, max_upload_bytes)
             (res,) = await engine.search_async([data], k)
+        if observe is not None:
+            observe(res.timings)
         return {"generation": res.generation, "k": k, "results": [_public(h) for h in res.hits],
                 "timings": res.timings, "batch_size": res.batch_size}
 
@@ -300,6 +316,8 @@ def create_app(engine: SearchEngine | str | os.PathLike, max_upload_bytes: int =
         async with uploads.hold(image.size or max_upload_bytes):
             data = await _read_upload(image, max_upload_bytes)
             (res,) = await engine.classify_async([data], k, temperature)
+        if observe is not None:
+            observe(res.timings)
         return {"generation": res.generation, "k": k, "temperature": temperature, "label": display_name(res.label),
                 "probabilities": {display_name(label): p for label, p in res.probabilities.items()},
                 "neighbors": [_public(h) for h in res.neighbors], "timings": res.timings}
