@@ -10,14 +10,10 @@ LOG = logging.getLogger(__name__)
 EPILOG_TRAIN = """\
 what --recipe auto does (the default):
   Options you leave unset are derived from your batch size, number of images and time budget, with what
-  learned in short runs of our learning curves. MoCo v2 on a CPU (checked on three real image collections):
-  batch 256 (at most half the images), lr 0.06 x batch/256, the longest queue the images allow (the paper's
-  65536, capped at half of them). Elsewhere (checked on the generated demo data only): batch 32 for v3 on a
-  CPU, on a GPU 1/32 of the images (32-256), lr 8-16x the papers' base lr with a cap at larger batches, a v2
-  queue of about a fifth of the images. Always: T = 0.2, a v2 key momentum with an EMA time constant of 1/20
-  of the run, a 1-epoch warm-up for v3 and, on a CPU, the cheap ImageNet stem.
-  config.json records every derived value and why. --recipe paper uses the MoCo papers' values instead
-  (made for batches of 256-4096 and hundreds of epochs).
+  learned in short runs of our learning curves (MoCo v2 on a CPU: on three real image collections; the
+  rest: on the generated demo data). config.json records every derived value and why; --recipe paper uses
+  the MoCo papers' values instead. Any flag you pass wins over both.
+{recipe}
 
 --time-budget:
   The first minute's measured speed sets the number of steps; the learning-rate, momentum and warm-up
@@ -58,11 +54,13 @@ def _print_train_result(result) -> None:
 
 def register(sub) -> None:
     from moco_retrieval.trainer.config import add_arguments
+    from moco_retrieval.trainer.recipe_table import describe
 
     p = sub.add_parser("train", help="train a MoCo encoder on a folder of unlabeled images",
                        description="Train a MoCo encoder on a folder of images (labels are not needed). "
                                    "Writes config.json, checkpoints, metrics.jsonl and metrics.png to --out.",
-                       epilog=EPILOG_TRAIN, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       epilog=EPILOG_TRAIN.format(recipe=describe()),
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("data_dir", metavar="DATA_DIR", help="folder of images (searched recursively)")
     p.add_argument("--out", required=True, metavar="RUN_DIR", help="run directory for checkpoints and logs")
     add_arguments(p)

@@ -66,3 +66,21 @@ def test_user_values__are_never_overridden():
     assert (cfg.batch_size, cfg.lr, cfg.temperature, cfg.queue_size, cfg.momentum, cfg.stem) == (
         64, 0.1, 0.5, 128, 0.9, "small")
     assert not {"batch_size", "lr", "temperature", "queue_size", "momentum", "stem"} & set(cfg.derived)
+
+
+def test_recipe_table__help_and_reasons_state_the_tables_own_figures():
+    from moco_retrieval.trainer import recipe_table as t
+    from moco_retrieval.trainer.config import TrainConfig
+    from moco_retrieval.trainer.recipes import resolve_before_training
+    from moco_retrieval.trainer.variants import MoCoV3ViTVariant
+
+    text = " ".join(t.describe().split())
+    for figure in (f"{t.AUTO_BATCH_CPU_V2} (at most half", f"{t.AUTO_LR_CPU_V2:g} x batch/256",
+                   f"{t.AUTO_BATCH_CPU}", f"1/{t.AUTO_IMAGES_PER_BATCH} of the images", t.PAPER_BATCHES,
+                   f"{t.lr_multiple('v2'):g}x the paper's for v2", f"{t.lr_multiple('v3_vit'):g}x the paper's for v3 ViTs"):
+        assert figure in text, figure
+    assert [round(t.lr_multiple(k), 6) for k in ("v2", "v3_resnet", "v3_vit")] == [16, 8, 20]
+    cfg = TrainConfig(data_dir="d", out_dir="o", moco_version=3, arch="vit_tiny", image_size=32, batch_size=64)
+    cfg = resolve_before_training(cfg, MoCoV3ViTVariant(), 1600, 1, on_gpu=False)
+    assert "20x the paper's base lr" in cfg.derived["lr"]["why"]  # was "8x" for the ViT, whose lr is 20x
+    assert MoCoV3ViTVariant.paper is t.PAPER["v3_vit"]  # one home for the paper values

@@ -81,7 +81,7 @@ class TrainConfig:
     mlp_hidden: int | None = option(None, "hidden width of the projection (and v3 prediction) head; 0 = the "
                                           "backbone's width (v2 0, v3 4096)", "model")
     queue_size: int | None = option(None, "v2: negative keys remembered from past batches, a multiple of the "
-                                          "batch (paper 65536; auto: about a fifth of the images)", "model")
+                                          "batch (paper 65536, auto: see the recipe below; always at most half the images)", "model")
     momentum: float | None = option(None, "how slowly the key encoder follows the query encoder, 0-1 (paper v2 "
                                           "0.999, v3 0.99 rising to 1; auto: 1 - 1/tau with tau 5%% of the run)",
                                     "model")

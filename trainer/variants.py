@@ -21,6 +21,7 @@ from moco_retrieval.trainer.batch_augment import MOCO_V2_VIEW, MOCO_V3_VIEWS, Vi
 from moco_retrieval.trainer.config import RESNETS, VITS, TrainConfig
 from moco_retrieval.trainer.lars import LARS
 from moco_retrieval.trainer.moco import MoCo, MoCoV2, MoCoV3
+from moco_retrieval.trainer.recipe_table import PAPER
 
 MIN_BN_GROUP = 16  # split-BN groups of fewer images give statistics too noisy to learn from (4 per group stalls)
 
@@ -42,8 +43,8 @@ def decay_groups(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Paramete
 
 
 class Variant:
-    """What one MoCo variant is made of. ``paper`` holds the published values of the options a recipe fills;
-    ``warmup`` there is a fraction of the run (10 of 100 epochs is 0.1)."""
+    """What one MoCo variant is made of. ``paper`` holds the published values of the options a recipe fills
+    (:data:`trainer.recipe_table.PAPER`, beside the auto rules); ``warmup`` there is a fraction of the run."""
 
     name = ""
     paper: dict = {}
@@ -83,8 +84,7 @@ class MoCoV2Variant(Variant):
     """MoCo v2: ResNet, MLP projector, a queue of negatives with shuffle-BN, SGD, constant key momentum."""
 
     name = "MoCo v2"
-    paper = dict(lr=0.03, weight_decay=1e-4, warmup=0.0, queue_size=65536, momentum=0.999, temperature=0.2,
-                 dim=128, mlp_hidden=0)
+    paper = PAPER["v2"]
 
     def build_model(self, cfg: TrainConfig, bn_splits: int = 1) -> MoCo:
         backbone, feature_dim = build_resnet(cfg.arch, cfg.resolved_stem, bn_splits)
@@ -133,8 +133,7 @@ class MoCoV3ResNetVariant(MoCoV3Variant):
     """MoCo v3 with a ResNet: 2-layer projector, LARS without decay or trust ratio on biases and norms."""
 
     name = "MoCo v3 (ResNet)"
-    paper = dict(lr=0.6, weight_decay=1e-6, warmup=10 / 100, queue_size=0, momentum=0.99, temperature=1.0,
-                 dim=256, mlp_hidden=4096)
+    paper = PAPER["v3_resnet"]
 
     def build_model(self, cfg: TrainConfig, bn_splits: int = 1) -> MoCo:
         backbone, feature_dim = build_resnet(cfg.arch, cfg.resolved_stem, 1)
@@ -152,8 +151,7 @@ class MoCoV3ViTVariant(MoCoV3Variant):
     biases and norms, a frozen random patch projection."""
 
     name = "MoCo v3 (ViT)"
-    paper = dict(lr=1.5e-4, weight_decay=0.1, warmup=40 / 300, queue_size=0, momentum=0.99, temperature=0.2,
-                 dim=256, mlp_hidden=4096)
+    paper = PAPER["v3_vit"]
 
     def build_model(self, cfg: TrainConfig, bn_splits: int = 1) -> MoCo:
         backbone, feature_dim = build_vit(cfg.arch, cfg.image_size, cfg.resolved_patch_size)
