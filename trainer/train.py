@@ -189,7 +189,7 @@ def _scan_and_cache(cfg: TrainConfig, is_main: bool) -> tuple[list, object, dict
     if not usable:
         raise DataError(no_images_message(cfg.data_dir, len(skipped)))
     cached, failed = ImageCache(cfg.data_dir, cache_side(cfg.image_size), cfg.cache_dir).update(
-        usable, workers=cfg.workers, progress=is_main)
+        usable, workers=cfg.workers, progress=is_main, whole_folder=True)
     skipped.update(failed)
     readable = [f for f in usable if f.path not in failed]
     if not readable:
