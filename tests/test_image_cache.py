@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -201,7 +202,8 @@ _CONCURRENT_RUN = textwrap.dedent("""
 
 
 def _run_in_process(data, cache_root, mode) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)}
+    repo = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH")) if p)}
     return subprocess.Popen([sys.executable, "-c", _CONCURRENT_RUN, str(data), str(cache_root), mode], env=env,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -219,8 +221,7 @@ def test_cache__another_processs_compaction_leaves_a_running_readers_rows_file(t
     data = write_demo_dataset(tmp_path / "data", per_class=4, size=16, classes=("circle", "star"))
     run = _run_in_process(data, tmp_path / "cache", "wait")
     assert run.stdout.readline().split() == ["decoded", "8"], run.stderr.read()[-2000:]
-    old = tmp_path / "cache" / next(p.name for p in (tmp_path / "cache").iterdir())
-    old_rows = old / "pixels-0.u8"
+    old_rows = next((tmp_path / "cache").iterdir()) / "pixels-0.u8"  # the waiting run's rows file
     for i in range(3):  # the other run sees most files removed and compacts (rows >= 4, 6 of 8 dead)
         (data / "circle" / f"circle_{i:05d}.png").rename(tmp_path / f"circle_{i}.png")
         (data / "star" / f"star_{i:05d}.png").rename(tmp_path / f"star_{i}.png")
