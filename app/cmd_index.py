@@ -95,7 +95,7 @@ def register(sub) -> None:
 
 
 def cmd_index(args: argparse.Namespace) -> int:
-    from indexer.build import IndexConfig, build_index_dir
+    from moco_retrieval.indexer.build import IndexConfig, build_index_dir
 
     logging.getLogger("faiss.loader").setLevel(logging.WARNING)
     optional = {"workers": args.workers, "target_recall": args.target_recall, "rank_timeout": args.rank_timeout}
@@ -119,7 +119,7 @@ def cmd_index(args: argparse.Namespace) -> int:
 
 def print_index_result(result) -> None:
     """The summary table of a ``moco index`` run (and the skipped files, names shown readably)."""
-    from contracts.filenames import display_name
+    from moco_retrieval.contracts.filenames import display_name
 
     t = result.timings
     state = "published now" if result.published else "unchanged, still live"

@@ -13,8 +13,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from contracts.atomic import write_json_atomic
-from contracts.errors import ArtifactError
+from moco_retrieval.contracts.atomic import write_json_atomic
+from moco_retrieval.contracts.errors import ArtifactError
 
 INDEX_FORMAT = "moco-retrieval/index"
 INDEX_FORMAT_VERSION = 2  # 2: base + delta + removed ids (version 1 directories read as base-only)

@@ -41,8 +41,8 @@ from typing import Callable, Iterable, Iterator
 import lmdb
 import numpy as np
 
-from contracts.errors import ArtifactError, IndexBuildError, OutputError
-from contracts.filenames import decode_name, encode_name
+from moco_retrieval.contracts.errors import ArtifactError, IndexBuildError, OutputError
+from moco_retrieval.contracts.filenames import decode_name, encode_name
 
 LOG = logging.getLogger(__name__)
 

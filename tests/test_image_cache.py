@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from contracts.images import decode_image, walk_image_files
-from trainer import image_cache
-from trainer.demo_data import write_demo_dataset
-from trainer.image_cache import INDEX_FILE, ImageCache, cache_side
+from moco_retrieval.contracts.images import decode_image, walk_image_files
+from moco_retrieval.trainer import image_cache
+from moco_retrieval.trainer.demo_data import write_demo_dataset
+from moco_retrieval.trainer.image_cache import INDEX_FILE, ImageCache, cache_side
 
 
 @pytest.fixture
@@ -173,7 +173,7 @@ def test_cache__a_sub_folder_has_its_own_cache_and_leaves_the_folders_alone(tmp_
 
 
 def test_knn_monitor__on_a_subset_of_the_training_folder_keeps_its_cache(tmp_path):
-    from trainer.monitor import KnnMonitor
+    from moco_retrieval.trainer.monitor import KnnMonitor
 
     data = write_demo_dataset(tmp_path / "data", per_class=10, size=16, classes=("circle", "square", "star", "ring"))
     files = walk_image_files(data)
@@ -186,8 +186,8 @@ def test_knn_monitor__on_a_subset_of_the_training_folder_keeps_its_cache(tmp_pat
 _CONCURRENT_RUN = textwrap.dedent("""
     import sys
     import numpy as np
-    from contracts.images import walk_image_files
-    from trainer.image_cache import ImageCache, decode_to_side
+    from moco_retrieval.contracts.images import walk_image_files
+    from moco_retrieval.trainer.image_cache import ImageCache, decode_to_side
     root, cache_root = sys.argv[1], sys.argv[2]
     files = walk_image_files(root)
     cached, _ = ImageCache(root, 40, cache_root, compact_min_rows=4).update(files, progress=False,
@@ -246,7 +246,7 @@ def test_train__monitor_on_a_subset_of_a_large_folder_neither_breaks_the_run_nor
     import logging
 
     from tests.conftest import tiny_train_config
-    from trainer.train import train
+    from moco_retrieval.trainer.train import train
 
     monkeypatch.setattr(image_cache, "COMPACT_MIN_ROWS", 4)
     data = write_demo_dataset(tmp_path / "data", per_class=10, size=32, classes=("circle", "square", "star", "ring"))
@@ -259,7 +259,7 @@ def test_train__monitor_on_a_subset_of_a_large_folder_neither_breaks_the_run_nor
     assert first.steps == 5 and first.knn_before is not None and first.knn_acc is not None
     assert len(decodes) == 40
     decodes.clear()
-    with caplog.at_level(logging.INFO, logger="trainer.image_cache"):
+    with caplog.at_level(logging.INFO, logger="moco_retrieval.trainer.image_cache"):
         second = train(config("run2"))
     assert second.steps == 5 and decodes == []
     assert "40 images reused, 0 decoded" in caplog.text
