@@ -117,6 +117,33 @@ def test_train__resume_with_different_architecture_is_refused(shapes_dir, tmp_pa
         train(tiny_train_config(shapes_dir, tmp_path / "run", epochs=2, arch="resnet34"))
 
 
+def test_train__rerun_of_the_same_command_resumes_when_the_recipe_capped_its_queue(shapes_dir, tmp_path):
+    """An explicit --queue-size above half the images is capped by the recipe (64 -> 48 of 96 images); the
+    checkpoint held 48, so the identical rerun, still asking for 64, used to be refused as a changed option."""
+    cfg = tiny_train_config(shapes_dir, tmp_path / "run", epochs=2, queue_size=64)
+    first = train(cfg, stop_at_epoch=1)
+    saved = load_checkpoint(tmp_path / "run")["config"]
+    assert first.steps == 6 and saved["queue_size"] == 48
+    resumed = train(cfg)
+    assert resumed.steps == 12 and load_checkpoint(tmp_path / "run")["config"]["queue_size"] == 48
+    with pytest.raises(Exception, match=r"was trained with queue_size=48 \(now 80\)"):  # another value still is
+        train(cfg.replace(queue_size=80))
+
+
+def test_train__resume_after_images_were_removed_below_its_queue_is_a_data_error(tmp_path):
+    """96 images cap the recipe's queue at 48; with 76 left the recipe would cap it at 32, which the
+    checkpoint's model cannot load (it was a size-mismatch traceback)."""
+    from moco_retrieval.contracts.errors import DataError
+
+    data = write_demo_dataset(tmp_path / "data", per_class=12, size=32, seed=1)
+    cfg = tiny_train_config(data, tmp_path / "run", epochs=2, queue_size=None)
+    train(cfg, stop_at_epoch=1)
+    for path in sorted(data.glob("*/*.png"))[:20]:
+        path.unlink()
+    with pytest.raises(DataError, match=r"trained with queue_size=48 \(now 32\), which the 76 readable images"):
+        train(cfg)
+
+
 def test_load_checkpoint__foreign_and_corrupt_files_are_artifact_errors(tmp_path):
     torch.save({"state_dict": {}}, tmp_path / "foreign.pt")
     (tmp_path / "corrupt.pt").write_bytes(b"\x00garbage")

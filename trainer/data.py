@@ -18,7 +18,8 @@ class CachedBatchDataset(Dataset):
     """Batches of a :class:`CachedImages` view: ``dataset[[i, j, ...]]`` gathers those images' rows.
 
     The rows file is memory-mapped on first use in each process (loader workers included), so the page cache
-    is shared and nothing large is pickled.
+    is shared and nothing large is pickled. The view's claim on the file (:class:`CachedImages`) lives as long
+    as the dataset, so no other run's update deletes it before the first batch or during the run.
     """
 
     def __init__(self, cached: CachedImages, labels: list[int]):

@@ -17,11 +17,25 @@ On disk, under ``CACHE_ROOT/<folder name>-<hash of its absolute path>-<side>px/`
     .lock             held (flock) while the cache is updated
 
 An entry is valid while the file's size and mtime are unchanged: a later run decodes only new and changed
-files (appended as new rows) and forgets removed ones; a file that failed to decode is not retried until it
-changes. Rows are written and flushed before ``index.json`` is replaced atomically, so a killed update leaves
-the previous index, whose rows are untouched. When more than half of the rows are dead the live ones are
-copied to a new pixels file. Concurrent runs on the same folder take turns on the lock; a reader only ever
-reads rows its own index snapshot names, which no later update overwrites.
+files (appended as new rows); a file that failed to decode is not retried until it changes.
+
+One cache, several readers. Every caller of :meth:`ImageCache.update` on the folder shares the cache: the
+training run (the whole folder), the k-NN monitor (an evenly spread subset of it), other runs at the same
+time. The rules that keep each of them valid:
+
+* An update adds and refreshes the entries of the files it is given. It forgets an entry only when its
+  caller says it walked the whole folder (``whole_folder=True``) and the file is not in that walk, so a
+  caller asking for a subset never drops the others.
+* Rows are only appended; a row an index names is never written again. Rows are written and fsynced before
+  ``index.json`` is replaced atomically, so a killed update leaves the previous index, whose rows are intact.
+* A reader (each :class:`CachedImages` an update returns) holds a shared ``flock`` on its rows file from the
+  moment the update reads the index until it is closed or its process ends. When more than half of the rows
+  are dead the live ones are copied to a new rows file; an old rows file is deleted, by any later update,
+  only once nobody holds it (an exclusive non-blocking ``flock`` succeeds). So a run's rows file stays valid
+  for the whole run, whatever other runs compact, and loader workers can map it by its path.
+
+Updates take turns on ``.lock``; reading an index and taking the reader's lock happen under it, so no update
+can delete a rows file between the two.
 """
 from __future__ import annotations
 
@@ -33,10 +47,16 @@ import multiprocessing
 import os
 import sys
 import time
+import weakref
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: no locks
+    fcntl = None
 
 import numpy as np
 from PIL import Image
@@ -96,9 +116,7 @@ def _decode_task(task: tuple[str, int]):
 
 @contextmanager
 def _locked(folder: Path) -> Iterator[None]:
-    try:
-        import fcntl
-    except ImportError:  # not POSIX: no lock
+    if fcntl is None:  # not POSIX: no lock
         yield
         return
     with output_errors(folder / LOCK_FILE, "set --cache-dir to a writable folder"):
@@ -111,14 +129,40 @@ def _locked(folder: Path) -> Iterator[None]:
         f.close()
 
 
+def _hold_shared(path: Path) -> int | None:
+    """A file descriptor of rows file ``path`` holding a shared flock: a reader's claim, which keeps the file
+    from being deleted (see the module docstring). None where there is no file (no rows yet) or no flock."""
+    if fcntl is None:
+        return None
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise DataError(f"cannot read the image cache {path} ({exc.strerror or exc}); set --cache-dir to a "
+                        "readable folder") from exc
+    # never waits: the only exclusive flock on a rows file is the non-blocking probe of _delete_unheld
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    return fd
+
+
+def _rows_file_number(name: str) -> int:
+    return int(name.split("-")[1].split(".")[0])
+
+
 @dataclass
 class CachedImages:
     """Cached pixels of a list of images: row ``i`` of the cache file is image ``rows.index(i)``.
+
+    While it is open (until :meth:`close`, or its process ends) it holds a shared flock on its rows file, so
+    no update deletes the file under it; a pickled copy (a loader worker) maps the file by its path and relies
+    on the original's claim.
 
     Attributes:
         folder: the cache folder; pixels_file: its rows file; side: stored side.
         rows: int64 ``[N]`` cache row of each image (in the caller's order).
         sizes: int64 ``[N, 2]`` original (width, height).
+        decoded: files the update that made this view decoded (readable or not); reused: files it found cached.
     """
 
     folder: Path
@@ -126,6 +170,9 @@ class CachedImages:
     side: int
     rows: np.ndarray
     sizes: np.ndarray
+    decoded: int = 0
+    reused: int = 0
+    _hold: weakref.finalize | None = field(default=None, repr=False, compare=False)  # closes the claim's fd
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -135,14 +182,33 @@ class CachedImages:
         total = self.pixels_file.stat().st_size // (self.side * self.side * 3)
         return np.memmap(self.pixels_file, dtype=np.uint8, mode="r", shape=(total, self.side, self.side, 3))
 
+    def close(self) -> None:
+        """Give up the claim on the rows file (mappings already made stay valid)."""
+        if self._hold is not None:
+            self._hold()
+            self._hold = None
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["_hold"] = None  # a file descriptor means nothing in another process; the original holds it
+        return state
+
 
 class ImageCache:
-    """The cache of one image folder at one side; :meth:`update` brings it up to date with the folder."""
+    """The cache of one image folder at one side; :meth:`update` brings it up to date with the files it is given.
 
-    def __init__(self, root: str | os.PathLike, side: int, cache_root: str | os.PathLike | None = None):
+    Args:
+        root: the image folder; side: stored side (:func:`cache_side`); cache_root: where caches live (None:
+            :func:`default_cache_root`).
+        compact_min_rows: rows below which dead ones are never compacted (None: :data:`COMPACT_MIN_ROWS`).
+    """
+
+    def __init__(self, root: str | os.PathLike, side: int, cache_root: str | os.PathLike | None = None,
+                 compact_min_rows: int | None = None):
         self.root = Path(root)
         self.side = side
         self.folder = cache_dir_for(root, side, cache_root)
+        self.compact_min_rows = COMPACT_MIN_ROWS if compact_min_rows is None else compact_min_rows
 
     def _read_index(self) -> dict:
         try:
@@ -155,23 +221,29 @@ class ImageCache:
         if (not isinstance(index, dict) or index.get("format") != CACHE_FORMAT
                 or index.get("format_version") != CACHE_VERSION or index.get("side") != self.side
                 or not (self.folder / str(index.get("pixels"))).is_file()):
+            # a new rows file, never an old one: a reader of the old index may still hold and map it
+            numbers = [_rows_file_number(p.name) for p in self.folder.glob("pixels-*.u8")]
             return {"format": CACHE_FORMAT, "format_version": CACHE_VERSION, "side": self.side,
-                    "pixels": "pixels-0.u8", "rows": 0, "entries": {}, "failed": {}}
+                    "pixels": f"pixels-{max(numbers, default=-1) + 1}.u8", "rows": 0, "entries": {}, "failed": {}}
         return index
 
-    def update(self, files: list[FoundFile], workers: int = 0, progress: bool = True) -> tuple[CachedImages, dict]:
+    def update(self, files: list[FoundFile], workers: int = 0, progress: bool = True,
+               whole_folder: bool = False) -> tuple[CachedImages, dict]:
         """Decode what is new or changed among ``files`` and return the cached view of the readable ones.
 
         Args:
-            files: the folder's image files (``walk_image_files``; entries with a skip reason are passed over).
+            files: image files of the folder (``walk_image_files``; entries with a skip reason are passed over).
             workers: decoding processes (0: in this process).
             progress: show a progress bar while decoding.
+            whole_folder: ``files`` is a walk of the whole folder, so cached files missing from it were removed
+                and are forgotten; otherwise (a subset, such as the k-NN monitor's) only add and refresh.
 
         Returns:
-            ``(cached, failed)``: the readable files' rows in ``files`` order, and ``{path: reason}`` of the
-            files that do not decode.
+            ``(cached, failed)``: the readable files' rows in ``files`` order (holding its rows file until
+            closed), and ``{path: reason}`` of the files that do not decode.
         """
         files = [f for f in files if f.skip_reason is None]
+        tic = time.perf_counter()
         with _locked(self.folder):
             index = self._read_index()
             entries, failed = index["entries"], index["failed"]
@@ -183,30 +255,37 @@ class ImageCache:
                 if fail is not None and fail[0] == f.bytes and fail[1] == f.mtime_ns:
                     continue
                 todo.append(f)
-            present = {f.path for f in files}
-            dropped = [p for p in entries if p not in present] + [p for p in failed if p not in present]
+            dropped = []
+            if whole_folder:
+                present = {f.path for f in files}
+                dropped = [p for p in entries if p not in present] + [p for p in failed if p not in present]
             for p in dropped:
                 entries.pop(p, None)
                 failed.pop(p, None)
             if todo:
                 self._decode_into(index, todo, workers, progress)
             if todo or dropped:
-                replaced = self._compact_if_sparse(index)
+                self._compact_if_sparse(index)
                 write_json_atomic(self.folder / INDEX_FILE, index, "set --cache-dir to a writable folder")
-                if replaced is not None:  # readers that mapped the old file keep their mapping
-                    replaced.unlink(missing_ok=True)
+            self._delete_unheld(index["pixels"])
+            hold = _hold_shared(self.folder / index["pixels"])  # under the lock: no update deletes it first
         readable = [f for f in files if f.path in entries]
         rows = np.array([entries[f.path][0] for f in readable], dtype=np.int64)
         sizes = np.array([entries[f.path][3:5] for f in readable], dtype=np.int64).reshape(-1, 2)
-        cached = CachedImages(self.folder, self.folder / index["pixels"], self.side, rows, sizes)
-        return cached, {f.path: failed[f.path][2] for f in files if f.path in failed}
+        cached = CachedImages(self.folder, self.folder / index["pixels"], self.side, rows, sizes,
+                              decoded=len(todo), reused=len(files) - len(todo))
+        if hold is not None:  # released when the view is closed or garbage-collected
+            cached._hold = weakref.finalize(cached, os.close, hold)
+        unreadable = [f for f in files if f.path in failed]
+        LOG.info("image cache %s: %d images reused, %d decoded in %.1f s%s", self.folder, cached.reused,
+                 cached.decoded, time.perf_counter() - tic, f"; {len(unreadable)} unreadable" if unreadable else "")
+        return cached, {f.path: failed[f.path][2] for f in unreadable}
 
     def _decode_into(self, index: dict, todo: list[FoundFile], workers: int, progress: bool) -> None:
         from tqdm import tqdm
 
         row_bytes = self.side * self.side * 3
         tasks = [(str(self.root / f.path), self.side) for f in todo]
-        tic = time.perf_counter()
         bar = tqdm(total=len(todo), unit="img", desc=f"caching images at {self.side} px", disable=not progress,
                    dynamic_ncols=True, leave=False)
         pool = _context().Pool(workers) if workers > 0 and len(todo) > 64 else None
@@ -235,20 +314,16 @@ class ImageCache:
             bar.close()
             if pool is not None:
                 pool.terminate()
-        unreadable = sum(1 for f in todo if f.path in index["failed"])
-        LOG.info("cached %d images at %d px in %.1f s (%s)%s", len(todo) - unreadable, self.side,
-                 time.perf_counter() - tic, self.folder, f"; {unreadable} unreadable" if unreadable else "")
 
-    def _compact_if_sparse(self, index: dict) -> Path | None:
-        """Copy the live rows to a new pixels file when more than half of the rows are dead; returns the
-        replaced file (to delete once the new index is written), or None."""
+    def _compact_if_sparse(self, index: dict) -> None:
+        """Copy the live rows to a new pixels file when more than half of the rows are dead (the old file is
+        deleted once nobody holds it: :meth:`_delete_unheld`)."""
         live = len(index["entries"])
-        if index["rows"] <= 2 * live or index["rows"] < COMPACT_MIN_ROWS:
-            return None
+        if index["rows"] <= 2 * live or index["rows"] < self.compact_min_rows:
+            return
         row_bytes = self.side * self.side * 3
         old = self.folder / index["pixels"]
-        number = int(index["pixels"].split("-")[1].split(".")[0]) + 1
-        new = self.folder / f"pixels-{number}.u8"
+        new = self.folder / f"pixels-{_rows_file_number(index['pixels']) + 1}.u8"
         src = np.memmap(old, dtype=np.uint8, mode="r", shape=(index["rows"], row_bytes))
         with output_errors(new, "set --cache-dir to a writable folder"), open(new, "wb") as out:
             for new_row, (path, entry) in enumerate(sorted(index["entries"].items(), key=lambda kv: kv[1][0])):
@@ -259,7 +334,22 @@ class ImageCache:
         del src
         LOG.info("compacted the image cache %s: %d live of %d rows", self.folder, live, index["rows"])
         index["pixels"], index["rows"] = new.name, live
-        return old
+
+    def _delete_unheld(self, current: str) -> None:
+        """Delete the rows files other than ``current`` that no reader holds (replaced by a compaction, or left
+        by a killed one). Without flock nothing tells whether a file is held, so none is deleted."""
+        if fcntl is None:
+            return
+        for path in self.folder.glob("pixels-*.u8"):
+            if path.name == current:
+                continue
+            with output_errors(path, "set --cache-dir to a writable folder"):
+                with open(path, "rb") as probe:
+                    try:
+                        fcntl.flock(probe.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    except BlockingIOError:  # a reader holds it: a later update deletes it
+                        continue
+                    path.unlink()
 
 
 def _context():

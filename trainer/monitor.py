@@ -52,10 +52,12 @@ def _labeled_split(folder: Path, image_size: int, max_images: int, cache_root, w
     files = [f for f in walk_image_files(folder) if f.skip_reason is None]
     if len({f.label for f in files}) < 2 or any(f.label is None for f in files):
         raise DataError(f"k-NN folder {folder} needs images in at least two labeled subfolders (<folder>/<label>/...)")
-    if len(files) > max_images:  # a fixed, even spread
+    whole_folder = len(files) <= max_images
+    if not whole_folder:  # a fixed, even spread; the cache keeps the other images (training reads them)
         keep = torch.linspace(0, len(files) - 1, max_images).round().long().unique().tolist()
         files = [files[i] for i in keep]
-    cached, failed = ImageCache(folder, cache_side(image_size), cache_root).update(files, workers, progress=False)
+    cached, failed = ImageCache(folder, cache_side(image_size), cache_root).update(
+        files, workers, progress=False, whole_folder=whole_folder)
     readable = [f for f in files if f.path not in failed]
     return cached, [f.label for f in readable]
 

@@ -43,7 +43,15 @@ KINDS = {MoCoV2Variant: "v2", MoCoV3ResNetVariant: "v3_resnet", MoCoV3ViTVariant
 
 
 def _set(cfg: TrainConfig, name: str, value, why: str) -> TrainConfig:
-    return cfg.replace(**{name: value}, derived={**cfg.derived, name: {"value": value, "why": why}})
+    """``cfg`` with ``name`` set to ``value`` for ``why``; where the user had set the option (a --queue-size the
+    recipe caps, --stem auto), their value is kept as ``requested``: a resume compares the rerun's options with
+    what the user asked for, not with what the recipe made of it (trainer.train._merge_saved)."""
+    item = {"value": value, "why": why}
+    earlier = cfg.derived.get(name)
+    requested = earlier.get("requested") if earlier is not None else getattr(cfg, name)
+    if requested is not None:
+        item["requested"] = requested
+    return cfg.replace(**{name: value}, derived={**cfg.derived, name: item})
 
 
 def fit_queue_to_data(queue_size: int, batch_size: int, num_images: int) -> tuple[int, str | None]:

@@ -141,19 +141,30 @@ def _check_writable(run_dir: Path) -> None:
 
 def _merge_saved(cfg: TrainConfig, saved: dict, path: Path) -> TrainConfig:
     """The config of a resumed run: what the user set now, the saved value for everything left unset (the
-    recipe's choices are kept, never re-derived); refuses a change to the fields that define the run."""
+    recipe's choices are kept, never re-derived); refuses a change to the fields that define the run.
+
+    An option the user set and the recipe then changed (a --queue-size capped at half the images) counts as
+    unchanged while the rerun asks for the same value again (the derived entry's ``requested``)."""
     values = cfg.to_dict()
+    derived = saved.get("derived", {})
     for name, value in saved.items():
-        if name in values and (values[name] is None or (name == "stem" and values[name] == "auto")):
+        if name not in values:
+            continue
+        asked_again = "requested" in derived.get(name, {}) and values[name] == derived[name]["requested"]
+        if values[name] is None or (name == "stem" and values[name] == "auto") or asked_again:
             values[name] = value
-    values["derived"] = saved.get("derived", {})
+    values["derived"] = derived
     values["run_id"] = saved.get("run_id", "")
     merged = TrainConfig.from_dict(values)
-    diffs = [f"{k}={saved.get(k)!r} (now {getattr(merged, k)!r})" for k in RESUME_MUST_MATCH
-             if k in saved and saved.get(k) != getattr(merged, k)]
+    diffs = _must_match_diffs(merged, saved)
     if diffs:
         raise ConfigError(f"{path} was trained with {', '.join(diffs)}; rerun with the same options or use a new --out")
     return merged
+
+
+def _must_match_diffs(cfg: TrainConfig, saved: dict) -> list[str]:
+    return [f"{k}={saved.get(k)!r} (now {getattr(cfg, k)!r})" for k in RESUME_MUST_MATCH
+            if k in saved and saved.get(k) != getattr(cfg, k)]
 
 
 def _append_jsonl(path: Path, row: dict) -> None:
@@ -189,7 +200,7 @@ def _scan_and_cache(cfg: TrainConfig, is_main: bool) -> tuple[list, object, dict
     if not usable:
         raise DataError(no_images_message(cfg.data_dir, len(skipped)))
     cached, failed = ImageCache(cfg.data_dir, cache_side(cfg.image_size), cfg.cache_dir).update(
-        usable, workers=cfg.workers, progress=is_main)
+        usable, workers=cfg.workers, progress=is_main, whole_folder=True)
     skipped.update(failed)
     readable = [f for f in usable if f.path not in failed]
     if not readable:
@@ -217,6 +228,12 @@ def setup(cfg: TrainConfig, device: torch.device, resume: str | Path | None = No
     files, cached, skipped = _scan_and_cache(cfg, is_main)
     variant = variant_for(cfg)
     cfg = resolve_before_training(cfg, variant, len(files), world, device.type == "cuda")
+    if ckpt is not None and _must_match_diffs(cfg, ckpt["config"]):
+        # the options matched (_merge_saved), so the folder changed: fewer images cap the queue below the
+        # checkpoint's, which its model cannot load
+        raise DataError(f"{resume_path} was trained with {', '.join(_must_match_diffs(cfg, ckpt['config']))}, "
+                        f"which the {len(files)} readable images now in {cfg.data_dir} no longer allow; restore "
+                        "the images or use a new --out")
     if ckpt is None:
         cfg = cfg.replace(run_id=dist.broadcast_object(cfg.run_id or time.strftime("%Y%m%d-%H%M%S-")
                                                        + secrets.token_hex(3)))
