@@ -30,6 +30,7 @@ import argparse
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -205,7 +206,7 @@ def main() -> int:
         log2 = (logs / "train_again.log").read_text(errors="replace")
         cache_lines = [line for line in log2.splitlines() if "image_cache" in line]
         stages["train_again"]["cache_log"] = cache_lines
-        if not any("decoded 0 " in line or "nothing to decode" in line for line in cache_lines):
+        if not cache_lines or not all(re.search(r"\b0 decoded\b", line) for line in cache_lines):
             raise StageFailed(f"the second run decoded images again: {cache_lines}")
         onnx = work / "encoder.onnx"
         stages["export"] = run_stage("export", moco + ["export", str(work / "run1"), "--out", str(onnx)], 300, logs,
