@@ -204,7 +204,7 @@ def main() -> int:
         stages["train_again"] = run_stage("train_again", moco + ["train", str(train), "--out", str(work / "run2"),
                                                                  "--time-budget", "60s", *extra], 60 + 300, logs, env)
         log2 = (logs / "train_again.log").read_text(errors="replace")
-        cache_lines = [line for line in log2.splitlines() if "image_cache" in line]
+        cache_lines = [line for line in log2.splitlines() if "image_cache" in line and " decoded" in line]
         stages["train_again"]["cache_log"] = cache_lines
         if not cache_lines or not all(re.search(r"\b0 decoded\b", line) for line in cache_lines):
             raise StageFailed(f"the second run decoded images again: {cache_lines}")
