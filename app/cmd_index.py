@@ -5,10 +5,11 @@ import argparse
 
 EPILOG_INDEX = """\
 what it does:
-  Scans IMAGE_DIR recursively (sorted; .jpg .jpeg .png .webp .bmp .tif .tiff; hidden files and folders are
-  ignored; symlinks are followed, each folder once), labels each image by its first-level subfolder (or by
-  --labels), embeds it with the encoder and writes INDEX_DIR: manifest.json, vectors.faiss, meta.lmdb/ and a
-  copy of the encoder, everything `moco serve` needs.
+  Scans IMAGE_DIR recursively (sorted; .jpg .jpeg .jpe .jfif .png .webp .bmp .tif .tiff .gif .avif .ico;
+  hidden files and folders are ignored; symlinks are followed, each folder once), labels each image by its
+  first-level subfolder (or by --labels), embeds it with the encoder and publishes a generation of INDEX_DIR
+  (generations/gNNNNNN/: manifest.json, vectors.faiss, meta.lmdb/ and a copy of the encoder, everything
+  `moco serve` needs; CURRENT names the live one).
 
   Rerun it on the same folder to update the index: only new or changed files are embedded, deleted files
   are removed, and the counts of added / updated / removed / unchanged images are printed. Stop it at any

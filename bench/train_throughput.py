@@ -71,24 +71,22 @@ def end_to_end(cfg: TrainConfig, steps: int, warmup: int) -> dict:
     """images/s of the real loop (cache -> loader -> batched augmentation -> step) on ``cfg.data_dir``."""
     device = resolve_device(cfg.device)
     with tempfile.TemporaryDirectory() as run_dir:
-        s = setup(cfg.replace(out_dir=run_dir, knn_every=0, save_every_steps=0, log_every=10**9), device)
-        s.monitor = None
-        done = 0
+        t, p = setup(cfg.replace(out_dir=run_dir, knn_every=0, save_every_steps=0, log_every=10**9), device)
+
         def advance(n: int) -> None:
-            nonlocal done
-            target = s.step + n
-            while s.step < target:
-                run_epoch(s, s.epoch, target)
-                if s.batch_in_epoch >= s.steps_per_epoch:
-                    s.epoch, s.batch_in_epoch = s.epoch + 1, 0
+            target = p.step + n
+            while p.step < target:
+                run_epoch(t, p, p.epoch, target)
+                if p.batch_in_epoch >= t.steps_per_epoch:
+                    p.epoch, p.batch_in_epoch = p.epoch + 1, 0
         advance(warmup)
         _sync(device)
         tic = time.perf_counter()
         advance(steps)
         _sync(device)
         elapsed = time.perf_counter() - tic
-        row = _row("end-to-end", s.cfg, device, steps, elapsed, s.optimizer)
-        row.update(images=len(s.paths), loader_workers=s.loader.num_workers, data_dir=str(cfg.data_dir))
+        row = _row("end-to-end", p.cfg, device, steps, elapsed, t.optimizer)
+        row.update(images=len(t.paths), loader_workers=t.loader.num_workers, data_dir=str(cfg.data_dir))
         return row
 
 

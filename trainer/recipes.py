@@ -77,6 +77,12 @@ def fit_queue_to_data(queue_size: int, batch_size: int, num_images: int) -> tupl
                    "never holds the query's own image")
 
 
+def check_batch_divides(batch_size: int, world_size: int) -> None:
+    """Raises ConfigError unless the global batch splits evenly over the processes."""
+    if batch_size % world_size:
+        raise ConfigError(f"--batch-size {batch_size} (global) must be divisible by the {world_size} processes")
+
+
 def _unset(cfg: TrainConfig, option: str) -> bool:
     return getattr(cfg, option) is None or (option == "stem" and cfg.stem == "auto")
 
@@ -105,8 +111,7 @@ def resolve_before_training(cfg: TrainConfig, variant: Variant, num_images: int,
     kind = KINDS[type(variant)]
     context = (kind, num_images, world_size, on_gpu)
     cfg = _fill(cfg, ("batch_size",), *context)
-    if cfg.batch_size % world_size:
-        raise ConfigError(f"--batch-size {cfg.batch_size} (global) must be divisible by the {world_size} processes")
+    check_batch_divides(cfg.batch_size, world_size)
     if num_images < cfg.batch_size:
         raise DataError(f"{cfg.data_dir} has {num_images} readable images, fewer than one batch ({cfg.batch_size}); "
                         "add images or lower --batch-size")

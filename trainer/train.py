@@ -44,6 +44,7 @@ from moco_retrieval.trainer.monitor import KnnMonitor
 from moco_retrieval.trainer.plots import plot_metrics
 from moco_retrieval.trainer.recipes import (
     MONITOR_EVALUATIONS,
+    check_batch_divides,
     resolve_before_training,
     resolve_schedule,
 )
@@ -78,40 +79,50 @@ class TrainResult:
     stopped_by: str = "epochs"  # epochs, stop-at-epoch, time budget, steps
 
 
-@dataclass
-class Session:
-    """Everything a run holds while it trains (built by :func:`setup`)."""
+@dataclass(frozen=True)
+class Trainee:
+    """What is fixed for the whole run (built by :func:`setup`): the variant, the model and its optimizer, and
+    how batches reach it."""
 
-    cfg: TrainConfig
     variant: Variant
     device: torch.device
     run_dir: Path
-    paths: list[str]
+    paths: list[str]  # the images trained on, in walk order
     model: torch.nn.Module
-    ddp_model: torch.nn.Module
+    ddp_model: torch.nn.Module  # ``model``, wrapped in DDP under torchrun
     optimizer: torch.optim.Optimizer
     augment: TwoViewAugment
     loader: torch.utils.data.DataLoader
     steps_per_epoch: int
-    schedule: Schedule
     amp: bool
-    skipped: dict[str, str]
-    monitor: KnnMonitor | None = None
-    budget: TimeBudget | None = None
-    epoch: int = 0  # epochs complete
-    batch_in_epoch: int = 0  # batches of the next epoch complete
-    step: int = 0
-    resumed: bool = False
-    eval_seconds: float = 0.0  # measured duration of one k-NN evaluation
-    save_seconds: float = 1.0  # measured duration of one checkpoint write (a guess until the first)
-    last_save: float = field(default_factory=time.perf_counter)
-    saved_step: int = 0  # the step checkpoint_last.pt holds (what a Ctrl-C would otherwise lose is after it)
-    last_plot: float = 0.0
-    generator: torch.Generator = field(default_factory=torch.Generator)
+    monitor: KnnMonitor | None
+    generator: torch.Generator  # the augmentations' random numbers, seeded per step
 
     @property
     def is_main(self) -> bool:
         return dist.rank() == 0
+
+
+@dataclass
+class Progress:
+    """What moves while the run trains: its position, its plan and its clocks.
+
+    ``cfg`` is the resolved configuration; a ``--time-budget`` run replaces it (and ``schedule``) once, when it
+    has measured its speed and plans its length (:func:`_apply_plan`)."""
+
+    cfg: TrainConfig
+    schedule: Schedule
+    budget: TimeBudget | None
+    skipped: dict[str, str]  # relative path -> reason, of the files not trained on
+    resumed: bool = False
+    epoch: int = 0  # epochs complete
+    batch_in_epoch: int = 0  # batches of the next epoch complete
+    step: int = 0
+    saved_step: int = 0  # the step checkpoint_last.pt holds (what a Ctrl-C would otherwise lose is after it)
+    eval_seconds: float = 0.0  # measured duration of one k-NN evaluation
+    save_seconds: float = 1.0  # measured duration of one checkpoint write (a guess until the first)
+    last_save: float = field(default_factory=time.perf_counter)
+    last_plot: float = 0.0
 
 
 def seed_everything(seed: int) -> None:
@@ -208,23 +219,86 @@ def _scan_and_cache(cfg: TrainConfig, is_main: bool) -> tuple[list, object, dict
     return readable, cached, skipped
 
 
-def setup(cfg: TrainConfig, device: torch.device, resume: str | Path | None = None) -> Session:
-    """Validate, scan and cache the data, resolve the recipe, build (or resume) the model, optimizer and loader.
-
-    Raises:
-        ConfigError, DataError, OutputError, ArtifactError: before anything is written to the run directory.
-    """
-    rank, world = dist.rank(), dist.world_size()
-    is_main = rank == 0
-    run_dir = Path(cfg.out_dir)
-    if cfg.batch_size is not None and cfg.batch_size % world:
-        raise ConfigError(f"--batch-size {cfg.batch_size} (global) must be divisible by the {world} processes")
-    resume_path = Path(resume) if resume else run_dir / LAST
+def _resume(cfg: TrainConfig, resume: str | Path | None) -> tuple[TrainConfig, dict | None, Path]:
+    """``(cfg, checkpoint or None, its path)``: the run directory's (or ``resume``'s) checkpoint, and the
+    config merged with the one it was trained with (see :func:`_merge_saved`)."""
+    resume_path = Path(resume) if resume else Path(cfg.out_dir) / LAST
     if resume_path.is_dir():
         resume_path = resume_path / LAST
     ckpt = load_checkpoint(resume_path) if resume or resume_path.exists() else None
     if ckpt is not None:
         cfg = _merge_saved(cfg, ckpt["config"], resume_path)
+    return cfg, ckpt, resume_path
+
+
+def _build_model(cfg: TrainConfig, variant: Variant, device: torch.device, ckpt: dict | None
+                 ) -> tuple[torch.nn.Module, torch.nn.Module, torch.optim.Optimizer, int]:
+    """``(model, ddp_model, optimizer, bn_splits)``, with the checkpoint's weights and optimizer state."""
+    world = dist.world_size()
+    seed_everything(cfg.seed)
+    bn_splits = variant.bn_splits(cfg.bn_splits, cfg.batch_size // world, world)
+    model = variant.build_model(cfg, bn_splits).to(device, memory_format=variant.memory_format)
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = True  # fixed input shapes: let cuDNN time and keep its fastest kernels
+    optimizer = variant.build_optimizer(cfg, model)
+    if ckpt is not None:
+        model.load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        set_rng_state(ckpt["rng"])
+    if variant.sync_bn(world, device):
+        # conversion reuses the Parameter objects: the optimizer stays valid
+        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    if cfg.compile:
+        model.encoder_q.compile()
+        model.encoder_k.compile()
+    ddp_model = model
+    if world > 1:
+        ddp_model = DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False
+        )
+    return model, ddp_model, optimizer, bn_splits
+
+
+def _build_loader(cfg: TrainConfig, variant: Variant, device: torch.device, cached, labels: list
+                  ) -> tuple[torch.utils.data.DataLoader, TwoViewAugment]:
+    """The loader of cached rows (this process's share of each batch) and the two-view augmentation."""
+    rank, world = dist.rank(), dist.world_size()
+    labels_index = {name: i for i, name in enumerate(sorted({x for x in labels if x is not None}))}
+    dataset = CachedBatchDataset(cached, [labels_index.get(x, -1) for x in labels])
+    loader_workers = min(cfg.workers, 2) if device.type == "cuda" else 0  # on a CPU, gathering rows costs < 1 ms
+    loader = training_loader(dataset, cfg.batch_size // world, loader_workers, rank, world, cfg.seed,
+                             device.type == "cuda")
+    return loader, TwoViewAugment(variant.views(), cfg.image_size, variant.memory_format)
+
+
+def _plan(cfg: TrainConfig, variant: Variant, ckpt: dict | None, steps_per_epoch: int
+          ) -> tuple[TrainConfig, Schedule, TimeBudget | None]:
+    """``(cfg, schedule, budget)``: the run's length and everything that depends on it. A budgeted run keeps a
+    provisional length until it has timed itself, unless its checkpoint already holds the plan."""
+    saved = (ckpt or {}).get("schedule", {})
+    if cfg.budget_seconds is None:
+        cfg = resolve_schedule(cfg, variant, (cfg.epochs or 200) * steps_per_epoch, steps_per_epoch)
+        return cfg, _schedule(cfg, variant, cfg.epochs * steps_per_epoch, steps_per_epoch), None
+    budget = TimeBudget(cfg.budget_seconds, spent=saved.get("spent_seconds", 0.0),
+                        total_steps=saved.get("total_steps", 0))
+    total = budget.total_steps or _provisional_total(cfg, steps_per_epoch)
+    if budget.calibrated:
+        cfg = resolve_schedule(cfg, variant, total, steps_per_epoch)
+    return cfg, _schedule(cfg, variant, total, steps_per_epoch), budget
+
+
+def setup(cfg: TrainConfig, device: torch.device, resume: str | Path | None = None) -> tuple[Trainee, Progress]:
+    """Validate, scan and cache the data, resolve the recipe, build (or resume) the model, optimizer and loader,
+    and plan the run: ``(what is fixed for the run, where it stands)``.
+
+    Raises:
+        ConfigError, DataError, OutputError, ArtifactError: before anything is written to the run directory.
+    """
+    world, is_main = dist.world_size(), dist.rank() == 0
+    run_dir = Path(cfg.out_dir)
+    if cfg.batch_size is not None:  # before the scan: a batch the user set fails at once
+        check_batch_divides(cfg.batch_size, world)
+    cfg, ckpt, resume_path = _resume(cfg, resume)
     files, cached, skipped = _scan_and_cache(cfg, is_main)
     variant = variant_for(cfg)
     cfg = resolve_before_training(cfg, variant, len(files), world, device.type == "cuda")
@@ -248,75 +322,38 @@ def setup(cfg: TrainConfig, device: torch.device, resume: str | Path | None = No
         _check_writable(run_dir)
     dist.barrier()
 
-    # ---- model, optimizer, state ---------------------------------------------------------------------------
-    seed_everything(cfg.seed)
-    layout = variant.memory_format
-    bn_splits = variant.bn_splits(cfg.bn_splits, per_process_batch, world)
-    model = variant.build_model(cfg, bn_splits).to(device, memory_format=layout)
-    if device.type == "cuda":
-        torch.backends.cudnn.benchmark = True  # fixed input shapes: let cuDNN time and keep its fastest kernels
-    optimizer = variant.build_optimizer(cfg, model)
-    session_state = {}
-    if ckpt is not None:
-        model.load_state_dict(ckpt["model"])
-        optimizer.load_state_dict(ckpt["optimizer"])
-        session_state = {"epoch": ckpt["epoch"], "step": ckpt["step"], "batch_in_epoch": ckpt.get("batch_in_epoch", 0)}
-        set_rng_state(ckpt["rng"])
-    if variant.sync_bn(world, device):
-        # conversion reuses the Parameter objects: the optimizer stays valid
-        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    if cfg.compile:
-        model.encoder_q.compile()
-        model.encoder_k.compile()
-    ddp_model = model
-    if world > 1:
-        ddp_model = DistributedDataParallel(
-            model, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False
-        )
+    model, ddp_model, optimizer, bn_splits = _build_model(cfg, variant, device, ckpt)
     amp, amp_why = resolve_amp(cfg.amp, device)
-
-    labels_index = {name: i for i, name in enumerate(sorted({x for x in labels if x is not None}))}
-    dataset = CachedBatchDataset(cached, [labels_index.get(x, -1) for x in labels])
-    loader_workers = min(cfg.workers, 2) if device.type == "cuda" else 0  # on a CPU, gathering rows costs < 1 ms
-    loader = training_loader(dataset, per_process_batch, loader_workers, rank, world, cfg.seed,
-                             device.type == "cuda")
+    loader, augment = _build_loader(cfg, variant, device, cached, labels)
     steps_per_epoch = len(loader)
-    augment = TwoViewAugment(variant.views(), cfg.image_size, layout)
-
-    budget = None
-    saved_schedule = (ckpt or {}).get("schedule", {})
-    if cfg.budget_seconds is not None:
-        budget = TimeBudget(cfg.budget_seconds, spent=saved_schedule.get("spent_seconds", 0.0),
-                            total_steps=saved_schedule.get("total_steps", 0))
-        total = budget.total_steps or _provisional_total(cfg, steps_per_epoch)
-        if budget.calibrated:
-            cfg = resolve_schedule(cfg, variant, total, steps_per_epoch)
-    else:
-        cfg = resolve_schedule(cfg, variant, (cfg.epochs or 200) * steps_per_epoch, steps_per_epoch)
-        total = cfg.epochs * steps_per_epoch
-    s = Session(cfg=cfg, variant=variant, device=device, run_dir=run_dir, paths=[f.path for f in files], model=model,
-                ddp_model=ddp_model, optimizer=optimizer, augment=augment, loader=loader,
-                steps_per_epoch=steps_per_epoch, schedule=_schedule(cfg, variant, total, steps_per_epoch), amp=amp,
-                skipped=skipped, monitor=monitor, budget=budget, resumed=ckpt is not None, **session_state)
-    s.generator = torch.Generator(device=device)
-    if s.batch_in_epoch >= steps_per_epoch:  # interrupted after the last batch of an epoch: that epoch is done
-        s.epoch, s.batch_in_epoch = s.epoch + 1, 0
+    cfg, schedule, budget = _plan(cfg, variant, ckpt, steps_per_epoch)
+    trainee = Trainee(variant=variant, device=device, run_dir=run_dir, paths=[f.path for f in files], model=model,
+                      ddp_model=ddp_model, optimizer=optimizer, augment=augment, loader=loader,
+                      steps_per_epoch=steps_per_epoch, amp=amp, monitor=monitor,
+                      generator=torch.Generator(device=device))
+    progress = Progress(cfg=cfg, schedule=schedule, budget=budget, skipped=skipped, resumed=ckpt is not None)
+    if ckpt is not None:
+        progress.epoch, progress.step = ckpt["epoch"], ckpt["step"]
+        progress.batch_in_epoch = ckpt.get("batch_in_epoch", 0)
+    if progress.batch_in_epoch >= steps_per_epoch:  # interrupted after the last batch of an epoch: it is done
+        progress.epoch, progress.batch_in_epoch = progress.epoch + 1, 0
     if is_main:
         if ckpt is not None:
             LOG.info("resuming %s from epoch %d, batch %d (step %d)", run_dir,
-                     s.epoch + 1 if s.batch_in_epoch else s.epoch, s.batch_in_epoch, s.step)
-            _truncate_metrics(run_dir / METRICS, s.step)
+                     progress.epoch + 1 if progress.batch_in_epoch else progress.epoch, progress.batch_in_epoch,
+                     progress.step)
+            _truncate_metrics(run_dir / METRICS, progress.step)
         write_text_atomic(run_dir / CONFIG, cfg.to_json() + "\n")
         _write_skipped(run_dir / SKIPPED, skipped)
         plan = (f"for {cfg.time_budget} (steps planned after the first minute)" if budget is not None
-                and not budget.calibrated else f"for {cfg.epochs} epochs ({s.schedule.total_steps} steps)")
+                and not budget.calibrated else f"for {cfg.epochs} epochs ({schedule.total_steps} steps)")
         LOG.info("training %s %s on %d images (%d skipped) %s: %d processes x %d images, %d steps/epoch, device "
                  "%s, bf16 %s (%s), bn splits %d, recipe %s", variant.name, cfg.arch, len(files), len(skipped), plan,
                  world, per_process_batch, steps_per_epoch, device, "on" if amp else "off", amp_why, bn_splits,
                  cfg.recipe)
         for name, item in cfg.derived.items():
             LOG.debug("  %s = %s: %s", name, item["value"], item["why"])
-    return s
+    return trainee, progress
 
 
 def _provisional_total(cfg: TrainConfig, steps_per_epoch: int) -> int:
@@ -341,7 +378,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, x1: tor
         ConfigError: the loss is not finite (the learning rate is too high for this model).
     """
     for group in optimizer.param_groups:
-        group["lr"] = lr * group.get("lr_mult", 1.0)
+        group["lr"] = lr
     with torch.autocast(x1.device.type, dtype=torch.bfloat16, enabled=amp):
         loss = model(x1, x2, m)
     if not torch.isfinite(loss):
@@ -352,85 +389,85 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, x1: tor
     return loss.detach()
 
 
-def _plan_total(s: Session) -> int:
+def _plan_total(t: Trainee, p: Progress) -> int:
     """The steps of a budgeted run that fit at the measured speed, keeping time for the monitor's evaluations,
     the checkpoints and the final evaluation."""
-    saves = s.budget.remaining() / CHECKPOINT_INTERVAL + 2
-    evaluations = (MONITOR_EVALUATIONS + 1) if s.monitor is not None else 0
-    return s.budget.estimate_total(s.step, evaluations * s.eval_seconds + saves * s.save_seconds)
+    saves = p.budget.remaining() / CHECKPOINT_INTERVAL + 2
+    evaluations = (MONITOR_EVALUATIONS + 1) if t.monitor is not None else 0
+    return p.budget.estimate_total(p.step, evaluations * p.eval_seconds + saves * p.save_seconds)
 
 
-def _apply_plan(s: Session, total: int) -> None:
+def _apply_plan(t: Trainee, p: Progress, total: int) -> None:
     """Fix a budgeted run's length and everything that depends on it."""
-    budget = s.budget
+    budget = p.budget
     budget.total_steps = total
-    s.cfg = resolve_schedule(s.cfg, s.variant, total, s.steps_per_epoch)
-    s.schedule = _schedule(s.cfg, s.variant, total, s.steps_per_epoch)
-    if s.is_main:
-        rate = s.cfg.batch_size / budget.seconds_per_step if budget.seconds_per_step else float("nan")
+    p.cfg = resolve_schedule(p.cfg, t.variant, total, t.steps_per_epoch)
+    p.schedule = _schedule(p.cfg, t.variant, total, t.steps_per_epoch)
+    if t.is_main:
+        rate = p.cfg.batch_size / budget.seconds_per_step if budget.seconds_per_step else float("nan")
         LOG.info("time budget %s: measured %.0f images/s, so %d steps (%.1f epochs), %d of them warm-up; %.0f s left",
-                 s.cfg.time_budget, rate, total, total / s.steps_per_epoch, s.schedule.warmup_steps,
+                 p.cfg.time_budget, rate, total, total / t.steps_per_epoch, p.schedule.warmup_steps,
                  budget.remaining())
-        write_text_atomic(s.run_dir / CONFIG, s.cfg.to_json() + "\n")
+        write_text_atomic(t.run_dir / CONFIG, p.cfg.to_json() + "\n")
 
 
-def _budget_control(s: Session) -> bool:
+def _budget_control(t: Trainee, p: Progress) -> bool:
     """After a step of a budgeted run: plan the run once the calibration is due, and say whether to stop. Rank
     0's clock decides both for every rank (each rank must follow the same schedule and stop at the same step)."""
-    plan = _plan_total(s) if s.budget.calibration_due() and s.is_main else None
-    stop = s.budget.should_stop(s.step) if s.is_main else False
+    plan = _plan_total(t, p) if p.budget.calibration_due() and t.is_main else None
+    stop = p.budget.should_stop(p.step) if t.is_main else False
     plan, stop = dist.broadcast_object((plan, stop))
     if plan is not None:
-        _apply_plan(s, plan)
-        stop = stop or s.budget.should_stop(s.step)
+        _apply_plan(t, p, plan)
+        stop = stop or p.budget.should_stop(p.step)
     return stop
 
 
-def run_epoch(s: Session, epoch: int, end_step: int) -> dict:
-    """Train epoch ``epoch`` from batch ``s.batch_in_epoch`` until its end, ``end_step``, or the time budget.
+def run_epoch(t: Trainee, p: Progress, epoch: int, end_step: int) -> dict:
+    """Train epoch ``epoch`` from batch ``p.batch_in_epoch`` until its end, ``end_step``, or the time budget.
 
     Returns:
         ``{"losses": [...], "seen": images, "seconds": s, "stopped": reason or None}``.
     """
-    cfg, rank = s.cfg, dist.rank()
-    sampler = epoch_sampler(s.loader)
+    cfg, rank = p.cfg, dist.rank()
+    sampler = epoch_sampler(t.loader)
     sampler.set_epoch(epoch)
-    first_batch = s.batch_in_epoch
+    first_batch = p.batch_in_epoch
     sampler.skip = first_batch * (cfg.batch_size // dist.world_size())
     # the bar is for terminals (disable=None: off when stderr is not a TTY); logs get one line per epoch
-    bar = tqdm(s.loader, desc=f"epoch {epoch + 1}" + (f"/{cfg.epochs}" if cfg.epochs else ""),
-               disable=None if s.is_main else True, leave=False, dynamic_ncols=True)
+    bar = tqdm(t.loader, desc=f"epoch {epoch + 1}" + (f"/{cfg.epochs}" if cfg.epochs else ""),
+               disable=None if t.is_main else True, leave=False, dynamic_ncols=True)
     tic, seen, losses, stopped = time.perf_counter(), 0, [], None
     steps_this_epoch, last = 0, tic
     try:
         for pixels, sizes, _, _ in bar:
-            s.generator.manual_seed(_step_seed(cfg.seed, s.step, rank))
-            pixels = pixels.to(s.device, non_blocking=True)
-            x1, x2 = s.augment(pixels, sizes.to(s.device), s.generator)
-            lr, m = s.schedule.lr(s.step), s.schedule.momentum(s.step)
-            loss = train_step(s.ddp_model, s.optimizer, x1, x2, lr, m, s.amp)
+            t.generator.manual_seed(_step_seed(cfg.seed, p.step, rank))
+            pixels = pixels.to(t.device, non_blocking=True)
+            x1, x2 = t.augment(pixels, sizes.to(t.device), t.generator)
+            lr, m = p.schedule.lr(p.step), p.schedule.momentum(p.step)
+            loss = train_step(t.ddp_model, t.optimizer, x1, x2, lr, m, t.amp)
             losses.append(float(loss))
-            s.step += 1
-            s.batch_in_epoch += 1
+            p.step += 1
+            p.batch_in_epoch += 1
             seen += cfg.batch_size
             steps_this_epoch += 1
             now = time.perf_counter()
-            if s.budget is not None:  # the whole step: waiting for the batch, augmenting, training
-                s.budget.record_step(steps_this_epoch - 1, now - last)
+            if p.budget is not None:  # the whole step: waiting for the batch, augmenting, training
+                p.budget.record_step(steps_this_epoch - 1, now - last)
             last = now
             images_per_s = seen / (time.perf_counter() - tic)
             bar.set_postfix(loss=f"{losses[-1]:.3f}", lr=f"{lr:.4f}", img_s=f"{images_per_s:.0f}")
-            if s.is_main and s.step % cfg.log_every == 0:
-                _append_jsonl(s.run_dir / METRICS, {"kind": "step", "epoch": epoch, "step": s.step, "loss": losses[-1],
+            if t.is_main and p.step % cfg.log_every == 0:
+                _append_jsonl(t.run_dir / METRICS, {"kind": "step", "epoch": epoch, "step": p.step, "loss": losses[-1],
                                                     "lr": lr, "momentum": m, "images_per_s": images_per_s,
-                                                    "elapsed_s": _elapsed(s)})
-            if cfg.save_every_steps and s.step % cfg.save_every_steps == 0 and s.batch_in_epoch < s.steps_per_epoch \
-                    and s.is_main:
-                save(s)
-            if s.step >= end_step:
+                                                    "elapsed_s": _elapsed(t, p)})
+            if cfg.save_every_steps and p.step % cfg.save_every_steps == 0 and p.batch_in_epoch < t.steps_per_epoch \
+                    and t.is_main:
+                save(t, p)
+            if p.step >= end_step:
                 stopped = "steps"
                 break
-            if s.budget is not None and _budget_control(s):
+            if p.budget is not None and _budget_control(t, p):
                 stopped = "time budget"
                 break
     finally:
@@ -438,120 +475,120 @@ def run_epoch(s: Session, epoch: int, end_step: int) -> dict:
     return {"losses": losses, "seen": seen, "seconds": time.perf_counter() - tic, "stopped": stopped}
 
 
-def _out_of_time(s: Session) -> bool:
+def _out_of_time(t: Trainee, p: Progress) -> bool:
     """Before an epoch of a budgeted run: whether the budget is already spent (rank 0's clock decides)."""
-    return bool(dist.broadcast_object(s.budget.should_stop(s.step) if s.is_main else False))
+    return bool(dist.broadcast_object(p.budget.should_stop(p.step) if t.is_main else False))
 
 
-def _elapsed(s: Session) -> float | None:
-    return round(s.budget.elapsed(), 3) if s.budget is not None else None
+def _elapsed(t: Trainee, p: Progress) -> float | None:
+    return round(p.budget.elapsed(), 3) if p.budget is not None else None
 
 
-def save(s: Session) -> None:
-    """Write checkpoint_last.pt: ``s.epoch`` epochs complete plus ``s.batch_in_epoch`` batches of the next."""
+def save(t: Trainee, p: Progress) -> None:
+    """Write checkpoint_last.pt: ``p.epoch`` epochs complete plus ``p.batch_in_epoch`` batches of the next."""
     tic = time.perf_counter()
-    schedule = {"total_steps": s.schedule.total_steps, "warmup_steps": s.schedule.warmup_steps}
-    if s.budget is not None:
-        schedule.update(total_steps=s.budget.total_steps, spent_seconds=s.budget.elapsed())
+    schedule = {"total_steps": p.schedule.total_steps, "warmup_steps": p.schedule.warmup_steps}
+    if p.budget is not None:
+        schedule.update(total_steps=p.budget.total_steps, spent_seconds=p.budget.elapsed())
     save_atomic({
-        "format": CHECKPOINT_FORMAT, "format_version": CHECKPOINT_VERSION, "run_id": s.cfg.run_id,
-        "config": s.cfg.to_dict(), "model": s.model.state_dict(), "optimizer": s.optimizer.state_dict(),
-        "epoch": s.epoch, "batch_in_epoch": s.batch_in_epoch, "step": s.step, "rng": rng_state(),
+        "format": CHECKPOINT_FORMAT, "format_version": CHECKPOINT_VERSION, "run_id": p.cfg.run_id,
+        "config": p.cfg.to_dict(), "model": t.model.state_dict(), "optimizer": t.optimizer.state_dict(),
+        "epoch": p.epoch, "batch_in_epoch": p.batch_in_epoch, "step": p.step, "rng": rng_state(),
         "schedule": schedule, "torch_version": str(torch.__version__),
-    }, s.run_dir / LAST)
-    s.last_save = time.perf_counter()
-    s.save_seconds = s.last_save - tic
-    s.saved_step = s.step
+    }, t.run_dir / LAST)
+    p.last_save = time.perf_counter()
+    p.save_seconds = p.last_save - tic
+    p.saved_step = p.step
 
 
-def _save_on_interrupt(s: Session) -> None:
+def _save_on_interrupt(t: Trainee, p: Progress) -> None:
     """Ctrl-C, mid-epoch or between epochs: keep the steps done since the last checkpoint (one process only:
     under DDP other ranks may be inside a collective)."""
-    if s.is_main and dist.world_size() == 1 and s.step > s.saved_step:
-        save(s)
-        LOG.warning("interrupted: saved %s at epoch %d, batch %d (step %d)", s.run_dir / LAST, s.epoch + 1,
-                    s.batch_in_epoch, s.step)
+    if t.is_main and dist.world_size() == 1 and p.step > p.saved_step:
+        save(t, p)
+        LOG.warning("interrupted: saved %s at epoch %d, batch %d (step %d)", t.run_dir / LAST, p.epoch + 1,
+                    p.batch_in_epoch, p.step)
 
 
 # -- the run --------------------------------------------------------------------------------------------------------
-def _end_step(s: Session, stop_at_epoch: int | None) -> tuple[int, str]:
-    if s.budget is not None:
+def _end_step(t: Trainee, p: Progress, stop_at_epoch: int | None) -> tuple[int, str]:
+    if p.budget is not None:
         return 2**62, "time budget"
-    if stop_at_epoch is not None and stop_at_epoch < s.cfg.epochs:
-        return stop_at_epoch * s.steps_per_epoch, "stop-at-epoch"
-    return s.cfg.epochs * s.steps_per_epoch, "epochs"
+    if stop_at_epoch is not None and stop_at_epoch < p.cfg.epochs:
+        return stop_at_epoch * t.steps_per_epoch, "stop-at-epoch"
+    return p.cfg.epochs * t.steps_per_epoch, "epochs"
 
 
-def run(s: Session, stop_at_epoch: int | None = None) -> TrainResult:
+def run(t: Trainee, p: Progress, stop_at_epoch: int | None = None) -> TrainResult:
     """Train until the schedule, ``stop_at_epoch`` or the time budget ends; evaluate, log and checkpoint."""
-    cfg = s.cfg
-    end_step, reason = _end_step(s, stop_at_epoch)
+    cfg = p.cfg
+    end_step, reason = _end_step(t, p, stop_at_epoch)
     loss_value, knn_acc, knn_before = None, None, None
-    if s.monitor is not None and s.step == 0 and end_step > 0:
+    if t.monitor is not None and p.step == 0 and end_step > 0:
         tic = time.perf_counter()
-        knn_before = knn_acc = s.monitor.evaluate(s.model.backbone, s.device)
-        s.eval_seconds = time.perf_counter() - tic
-        LOG.info("k-NN top-1 before training: %.2f%% (%d images from %s)", 100 * knn_acc, len(s.monitor),
-                 s.monitor.folder)
-        _append_jsonl(s.run_dir / METRICS, {"kind": "epoch", "epoch": 0, "step": 0, "knn_acc": knn_acc,
-                                            "elapsed_s": _elapsed(s)})
+        knn_before = knn_acc = t.monitor.evaluate(t.model.backbone, t.device)
+        p.eval_seconds = time.perf_counter() - tic
+        LOG.info("k-NN top-1 before training: %.2f%% (%d images from %s)", 100 * knn_acc, len(t.monitor),
+                 t.monitor.folder)
+        _append_jsonl(t.run_dir / METRICS, {"kind": "epoch", "epoch": 0, "step": 0, "knn_acc": knn_acc,
+                                            "elapsed_s": _elapsed(t, p)})
     stopped = None
-    start_step = s.saved_step = s.step
+    start_step = p.saved_step = p.step
     try:
-        while s.step < end_step and stopped is None:
-            if s.budget is not None and _out_of_time(s):
+        while p.step < end_step and stopped is None:
+            if p.budget is not None and _out_of_time(t, p):
                 stopped = "time budget"
                 break
-            epoch = s.epoch
-            s.ddp_model.train()
-            if s.batch_in_epoch == 0:  # inside an epoch the RNG states came back from the checkpoint
+            epoch = p.epoch
+            t.ddp_model.train()
+            if p.batch_in_epoch == 0:  # inside an epoch the RNG states came back from the checkpoint
                 seed_everything(_epoch_seed(cfg.seed, epoch, dist.rank()))
-            stats = run_epoch(s, epoch, end_step)
+            stats = run_epoch(t, p, epoch, end_step)
             stopped = stats["stopped"]
-            complete = s.batch_in_epoch >= s.steps_per_epoch
+            complete = p.batch_in_epoch >= t.steps_per_epoch
             if complete:
-                s.epoch, s.batch_in_epoch = epoch + 1, 0
+                p.epoch, p.batch_in_epoch = epoch + 1, 0
             tic = time.perf_counter()
             losses = stats["losses"] or [float("nan")]
             loss_value = float(dist.all_reduce_mean(torch.tensor(float(np.mean(losses)))).item())
-            for part in dist.gather_objects(dict(s.skipped)):
-                s.skipped.update(part)
-            finished = stopped is not None or s.step >= end_step
+            for part in dist.gather_objects(dict(p.skipped)):
+                p.skipped.update(part)
+            finished = stopped is not None or p.step >= end_step
             knn_acc = None
-            knn_every = s.cfg.knn_every  # None until a budgeted run has planned its length
-            if s.monitor is not None and (finished or (complete and knn_every and s.epoch % knn_every == 0)):
+            knn_every = p.cfg.knn_every  # None until a budgeted run has planned its length
+            if t.monitor is not None and (finished or (complete and knn_every and p.epoch % knn_every == 0)):
                 t_eval = time.perf_counter()
-                knn_acc = s.monitor.evaluate(s.model.backbone, s.device)
-                s.eval_seconds = time.perf_counter() - t_eval
-            if s.is_main:
-                row = {"kind": "epoch", "epoch": epoch + 1 if complete else round(epoch + s.batch_in_epoch /
-                                                                                  s.steps_per_epoch, 3),
-                       "step": s.step, "loss": loss_value, "lr": s.schedule.lr(max(0, s.step - 1)),
+                knn_acc = t.monitor.evaluate(t.model.backbone, t.device)
+                p.eval_seconds = time.perf_counter() - t_eval
+            if t.is_main:
+                row = {"kind": "epoch", "epoch": epoch + 1 if complete else round(epoch + p.batch_in_epoch /
+                                                                                  t.steps_per_epoch, 3),
+                       "step": p.step, "loss": loss_value, "lr": p.schedule.lr(max(0, p.step - 1)),
                        "epoch_time_s": stats["seconds"], "images_per_s": stats["seen"] / max(1e-9, stats["seconds"]),
-                       "knn_acc": knn_acc, "elapsed_s": _elapsed(s)}
-                _append_jsonl(s.run_dir / METRICS, row)
-                _write_skipped(s.run_dir / SKIPPED, s.skipped)
+                       "knn_acc": knn_acc, "elapsed_s": _elapsed(t, p)}
+                _append_jsonl(t.run_dir / METRICS, row)
+                _write_skipped(t.run_dir / SKIPPED, p.skipped)
                 knn_text = f", k-NN top-1 {100 * knn_acc:.2f}%" if knn_acc is not None else ""
                 LOG.info("epoch %s: loss %.4f, %.0f images/s%s", row["epoch"], loss_value, row["images_per_s"], knn_text)
-                keep = complete and (s.epoch % cfg.save_every == 0 or finished)
-                if finished or keep or time.perf_counter() - s.last_save >= CHECKPOINT_INTERVAL:
-                    save(s)
+                keep = complete and (p.epoch % cfg.save_every == 0 or finished)
+                if finished or keep or time.perf_counter() - p.last_save >= CHECKPOINT_INTERVAL:
+                    save(t, p)
                 if keep:
-                    link_or_copy_atomic(s.run_dir / LAST, s.run_dir / f"checkpoint_{s.epoch:04d}.pt")
-                if finished or time.perf_counter() - s.last_plot >= PLOT_INTERVAL:
-                    plot_metrics(s.run_dir / METRICS, s.run_dir / PLOT)
-                    s.last_plot = time.perf_counter()
+                    link_or_copy_atomic(t.run_dir / LAST, t.run_dir / f"checkpoint_{p.epoch:04d}.pt")
+                if finished or time.perf_counter() - p.last_plot >= PLOT_INTERVAL:
+                    plot_metrics(t.run_dir / METRICS, t.run_dir / PLOT)
+                    p.last_plot = time.perf_counter()
             dist.barrier()
     except KeyboardInterrupt:
-        _save_on_interrupt(s)
+        _save_on_interrupt(t, p)
         raise
-    if s.resumed and s.step == start_step:
-        LOG.info("%s already trained (%d steps); nothing to do", s.run_dir, s.step)
+    if p.resumed and p.step == start_step:
+        LOG.info("%s already trained (%d steps); nothing to do", t.run_dir, p.step)
     if stopped is None:
         stopped = reason
     elif stopped == "steps":
         stopped = reason
-    return TrainResult(s.run_dir, s.epoch, s.step, loss_value, knn_acc, len(s.paths), len(s.skipped), s.model,
+    return TrainResult(t.run_dir, p.epoch, p.step, loss_value, knn_acc, len(t.paths), len(p.skipped), t.model,
                        knn_before, stopped)
 
 
@@ -571,6 +608,6 @@ def train(cfg: TrainConfig, resume: str | Path | None = None, stop_at_epoch: int
     device = resolve_device(cfg.device, info.local_rank)
     dist.init(device)
     try:
-        return run(setup(cfg, device, resume), stop_at_epoch)
+        return run(*setup(cfg, device, resume), stop_at_epoch)
     finally:
         dist.cleanup()

@@ -18,7 +18,7 @@ from torch import nn
 from moco_retrieval.contracts.errors import ConfigError
 from moco_retrieval.trainer.backbones import build_resnet, build_vit
 from moco_retrieval.trainer.batch_augment import MOCO_V2_VIEW, MOCO_V3_VIEWS, ViewSpec
-from moco_retrieval.trainer.config import RESNETS, VITS, TrainConfig
+from moco_retrieval.trainer.config import VITS, TrainConfig
 from moco_retrieval.trainer.lars import LARS
 from moco_retrieval.trainer.moco import MoCo, MoCoV2, MoCoV3
 from moco_retrieval.trainer.recipe_table import PAPER
@@ -169,14 +169,10 @@ class MoCoV3ViTVariant(MoCoV3Variant):
 
 
 def variant_for(cfg: TrainConfig) -> Variant:
-    """The variant of ``cfg.moco_version`` and ``cfg.arch``."""
+    """The variant of ``cfg.moco_version`` and ``cfg.arch`` (a pair ``TrainConfig`` has already validated)."""
     if cfg.moco_version == 2:
-        if cfg.arch not in RESNETS:
-            raise ConfigError(f"--arch {cfg.arch} needs --moco-version 3 (MoCo v2 trains ResNets only)")
         return MoCoV2Variant()
-    if cfg.moco_version == 3:
-        return MoCoV3ViTVariant() if cfg.arch in VITS else MoCoV3ResNetVariant()
-    raise ConfigError(f"--moco-version {cfg.moco_version} is not supported")
+    return MoCoV3ViTVariant() if cfg.arch in VITS else MoCoV3ResNetVariant()
 
 
 def build_model(cfg: TrainConfig, bn_splits: int = 1) -> MoCo:
