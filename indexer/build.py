@@ -50,7 +50,7 @@ from indexer.layout import (
     remove_stale_staging,
     utc_now,
 )
-from indexer.manifest import IndexManifest
+from indexer.manifest import IndexManifest, file_sha256
 from indexer.metadata import MetadataStore, link_store, materialize
 from indexer.plan import Plan, plan_full, plan_listed, read_changed_list, scan_listed
 from indexer.ranks import DEFAULT_TIMEOUT_S, Rendezvous, part_of_plan, plan_digest
@@ -229,12 +229,38 @@ def build_index_dir(cfg: IndexConfig, embedder=None, scanner=None) -> IndexResul
         raise OutputError(f"cannot write {layout.root} (permission denied); choose a writable --out")
     labels = read_labels_csv(cfg.labels_csv) if cfg.labels_csv else None
     if world.rank != 0:  # no lock: rank 0 holds it for the whole run, the others only write their shards
-        run = _prepare(cfg, layout, image_root, labels, world, embedder, scanner)
+        live = _live_generation(layout, cfg.rebuild)
+        run = _prepare(cfg, layout, image_root, labels, world, embedder, scanner, live)
         return _embed_and_wait(run, t_start)
     with _writer_lock(layout):
-        remove_stale_staging(layout)
-        run = _prepare(cfg, layout, image_root, labels, world, embedder, scanner)
+        live = _live_generation(layout, cfg.rebuild)
+        remove_stale_staging(layout, live)
+        run = _prepare(cfg, layout, image_root, labels, world, embedder, scanner, live)
         return _embed_and_wait(run, t_start)
+
+
+def _live_generation(layout: IndexLayout, rebuild: bool) -> str | None:
+    """The generation this run follows: the live one (``None`` when nothing was published), checked before
+    anything is scanned or embedded.
+
+    A damaged ``CURRENT`` is refused, never read as "no index" (which re-embedded everything, renumbered the
+    ids and deleted every generation). With ``--rebuild`` the run starts over after the newest generation
+    folder there is, which it keeps until the next publish.
+
+    Raises:
+        ArtifactError: ``CURRENT`` is damaged or names a generation that is not there (without ``rebuild``).
+    """
+    try:
+        live = layout.current()
+        if live is not None and not layout.generation(live).root.is_dir():
+            raise layout.damaged_pointer(f"names {live}, which is not there")
+        return live
+    except ArtifactError as exc:
+        names = layout.generation_names()
+        if not rebuild:
+            raise
+        LOG.warning("%s; --rebuild: starting over after %s", exc, names[-1] if names else "nothing")
+        return names[-1] if names else None
 
 
 def _open_embedder(cfg: IndexConfig, image_root: Path, world: WorldInfo) -> FolderEmbedder:
@@ -254,8 +280,9 @@ def _open_embedder(cfg: IndexConfig, image_root: Path, world: WorldInfo) -> Fold
 
 
 def _prepare(cfg: IndexConfig, layout: IndexLayout, image_root: Path, labels, world: WorldInfo, embedder,
-             scanner) -> _Run:
-    run = _Run(cfg, layout, image_root, world, embedder)
+             scanner, live: str | None) -> _Run:
+    run = _Run(cfg, layout, image_root, world, embedder, previous=live)
+    run.prev_manifest = _previous_manifest(layout, live, cfg.rebuild)
     tic = time.perf_counter()
     gone = None
     if cfg.changed_list:
@@ -268,8 +295,6 @@ def _prepare(cfg: IndexConfig, layout: IndexLayout, image_root: Path, labels, wo
     if run.embedder is None:
         run.embedder = _open_embedder(cfg, image_root, world)
     encoder = run.encoder
-    run.previous = layout.current()
-    run.prev_manifest = IndexManifest.read(layout.generation(run.previous).manifest) if run.previous else None
     if run.prev_manifest is not None and not cfg.rebuild:
         run.prev_manifest.check_encoder(encoder, str(layout.root), "pass --rebuild to re-embed everything with it")
         if Path(run.prev_manifest.image_root) != image_root:
@@ -298,6 +323,20 @@ def _prepare(cfg: IndexConfig, layout: IndexLayout, image_root: Path, labels, wo
     if world.rank == 0:
         discard_other_models(layout.work, run.shards.dir)
     return run
+
+
+def _previous_manifest(layout: IndexLayout, previous: str | None, rebuild: bool) -> IndexManifest | None:
+    """The manifest of the generation this run follows; with ``--rebuild`` only its ``next_id`` matters (ids
+    are never reused), so an unreadable one is passed over."""
+    if previous is None:
+        return None
+    try:
+        return IndexManifest.read(layout.generation(previous).manifest)
+    except ArtifactError as exc:
+        if not rebuild:
+            raise
+        LOG.warning("%s; --rebuild: ids start again from 0", exc)
+        return None
 
 
 def _open_store(gen: GenerationPaths) -> MetadataStore:
@@ -391,7 +430,7 @@ def _commit(run: _Run, t_start: float) -> IndexResult:
     else:
         manifest, timings = _commit_update(run, staging, name, readable, counts)
     run.timings.update(timings)
-    result = _publish(run, staging, manifest, counts, skipped_list, t_start)
+    result = _publish(run, staging, manifest, counts, skipped_list, t_start, previous=run.previous)
     if base is not None and _compaction_wanted(run, manifest):
         compacted = _compact(run, name, t_start, skipped_list, counts)
         result.compacted = compacted.generation
@@ -590,7 +629,7 @@ def _compact(run: _Run, source: str, t_start: float, skipped_list: list[dict], c
                           base_next_id=manifest.next_id, delta_count=0, removed_count=0, base_generation=name)
     compacted.created_at = manifest.created_at
     run.timings.update({"compact_metadata": t_meta, "compact_index": t_index})
-    result = _publish(run, staging, compacted, counts, skipped_list, t_start, mode="compaction")
+    result = _publish(run, staging, compacted, counts, skipped_list, t_start, previous=source, mode="compaction")
     LOG.info("compacted %s into %s (%d items, recall@10 %s)", source, name, len(live_ids), built.recall_at_10)
     return result
 
@@ -617,11 +656,11 @@ def _manifest(run: _Run, name: str, built: faiss_index.BuiltIndex, *, count, nex
 
 
 def _publish(run: _Run, staging: GenerationPaths, manifest: IndexManifest, counts: dict, skipped_list: list[dict],
-             t_start: float, mode: str | None = None) -> IndexResult:
+             t_start: float, previous: str | None, mode: str | None = None) -> IndexResult:
     layout = run.layout
     tic = time.perf_counter()
     manifest.write(staging.manifest)
-    publish(layout, staging, manifest.generation)
+    publish(layout, staging, manifest.generation, previous)
     run.timings["publish"] = run.timings.get("publish", 0.0) + time.perf_counter() - tic
     stats = run.stats
     timings = {**run.timings, **{k: v for k, v in stats.items() if k not in ("embedded", "resumed")}}
@@ -640,13 +679,19 @@ def _publish(run: _Run, staging: GenerationPaths, manifest: IndexManifest, count
 
 
 def _copy_encoder(run: _Run, staging: GenerationPaths) -> None:
-    """Copy the encoder into the generation; a hard link to the previous generation's copy when it is the same
-    model (generations are immutable, so they can share the file)."""
-    prev = run.prev_manifest
-    same = prev is not None and prev.model_sha256 == run.encoder.sha256
-    previous = run.layout.generation(run.layout.current()).encoder if same and run.layout.current() else None
-    link_or_copy_atomic(previous if previous is not None and previous.is_file() else run.encoder.path,
-                        staging.encoder)
+    """Copy the encoder into the generation: a hard link to the previous generation's copy when it is still
+    this model byte for byte (generations are immutable, so they can share the file), else ``--model``, whose
+    sha256 this run checked. The previous copy is hashed again: linked forward unread, a damaged copy made
+    every later generation unopenable."""
+    prev, source = run.prev_manifest, Path(run.encoder.path)
+    if prev is not None and prev.model_sha256 == run.encoder.sha256 and run.previous is not None:
+        copy = run.layout.generation(run.previous).encoder
+        if file_sha256(copy) == run.encoder.sha256:
+            source = copy
+        else:
+            LOG.warning("%s is not the model it was copied from (damaged or missing); copying %s instead",
+                        copy, source)
+    link_or_copy_atomic(source, staging.encoder)
 
 
 def _model_summary(encoder) -> dict:

@@ -54,7 +54,7 @@ class IndexDirectory:
         gen = layout.generation(generation)
         self.generation_path = gen.root
         if not gen.root.is_dir():
-            raise ArtifactError(f"{self.path}: generation {generation} is missing; rebuild with `moco index --rebuild`")
+            raise layout.damaged_pointer(f"names {generation}, which is not there")
         self.manifest = m = IndexManifest.read(gen.manifest)
         base = read_index(gen.index, m.factory, on_disk=m.on_disk, mmap=mmap)
         delta = read_index(gen.delta_index, m.factory, mmap=mmap) if gen.delta_index.is_file() else None

@@ -8,6 +8,7 @@ code, and :meth:`IndexManifest.check_encoder` is the one check that an encoder m
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 from dataclasses import dataclass, field
@@ -15,6 +16,15 @@ from pathlib import Path
 
 from contracts.atomic import write_json_atomic
 from contracts.errors import ArtifactError
+
+def file_sha256(path: str | os.PathLike) -> str | None:
+    """The hex sha256 of a file's bytes (streamed), or ``None`` when it cannot be read."""
+    try:
+        with open(path, "rb") as f:
+            return hashlib.file_digest(f, "sha256").hexdigest()
+    except OSError:
+        return None
+
 
 INDEX_FORMAT = "moco-retrieval/index"
 INDEX_FORMAT_VERSION = 2  # 2: base + delta + removed ids (version 1 directories read as base-only)

@@ -1,0 +1,225 @@
+"""Damaged index directories: the matrix of every file of a generation damaged in every way, through real
+``moco`` processes, the way tests/test_fault_matrix.py keeps the hostile image files.
+
+One small index (a 50 kB encoder, 16 images, two generations: ``g000002`` = ``g000001`` plus a delta, one
+removed item) is built once per module. Each case copies it (``shutil.copytree``: hard links become copies, so
+the damage stays in one file of one generation), damages one file, then runs ``moco search``, ``moco index
+--verify`` and an update (``moco index``, which has one image to remove) in one child process: a signal
+(SIGBUS, SIGSEGV) kills that process and fails the case. Each command must end with a return code of
+:mod:`contracts.errors` and at most one error line, no traceback. Then nothing may be lost: the refused commands
+left ``CURRENT`` and the generations as they were, and once the file is restored both generations answer
+exactly what they answered before the damage.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Callable
+
+import numpy as np
+import pytest
+
+from indexer.build import IndexConfig, build_index_dir
+from indexer.index_dir import IndexDirectory
+from tests._serve_helpers import write_colour_corpus
+from tests.index_fixtures import write_tiny_encoder
+
+REPO = Path(__file__).resolve().parents[1]
+LIVE, PREVIOUS = "g000002", "g000001"
+GONE = "green/green_000.png"  # indexed by g000002, deleted from the folder: each case's update removes it
+
+# A child process runs the commands one after the other through the CLI's main(), each with its own stdout and
+# stderr (file descriptors 1 and 2, so that logging and C libraries are captured too), and writes one JSON line
+# per command. A command that raises past main() is recorded as "traceback"; a signal ends the child.
+_DRIVER = r"""
+import json, os, sys, tempfile, traceback
+from app.cli import main
+commands, results = json.loads(sys.argv[1]), sys.argv[2]
+for name, argv in commands:
+    with open(results, "a") as f:
+        f.write(json.dumps({"start": name}) + "\n")
+    out, err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
+    sys.stdout.flush(); sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    os.dup2(out.fileno(), 1); os.dup2(err.fileno(), 2)
+    try:
+        try:
+            rc = main(argv)
+        except SystemExit as exc:
+            rc = exc.code
+        except BaseException:
+            rc = "traceback"
+            traceback.print_exc()
+    finally:
+        sys.stdout.flush(); sys.stderr.flush()
+        os.dup2(saved[0], 1); os.dup2(saved[1], 2)
+    texts = []
+    for f in (out, err):
+        f.seek(0)
+        texts.append(f.read().decode("utf-8", "replace"))
+    with open(results, "a") as f:
+        f.write(json.dumps({"name": name, "rc": rc, "stdout": texts[0], "stderr": texts[1]}) + "\n")
+"""
+_LOG_LINE = re.compile(r"^\d\d:\d\d:\d\d (DEBUG|INFO|WARNING) [\w.]+: ")  # the CLI's logging format
+
+
+def run_commands(commands: list[tuple[str, list[str]]], work: Path) -> dict[str, dict]:
+    """Run ``moco`` commands in one child process (see ``_DRIVER``): name -> {rc, stdout, stderr}."""
+    results = work / "results.jsonl"
+    results.unlink(missing_ok=True)
+    proc = subprocess.run([sys.executable, "-c", _DRIVER, json.dumps([(n, list(map(str, a))) for n, a in commands]),
+                           str(results)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    lines = [json.loads(line) for line in results.read_text().splitlines()] if results.exists() else []
+    started = [line["start"] for line in lines if "start" in line]
+    assert proc.returncode == 0, (f"the child died with {proc.returncode} during `moco {started[-1:]}`"
+                                  f" (-7: SIGBUS, -11: SIGSEGV); stderr: {proc.stderr[-2000:]}")
+    return {line["name"]: line for line in lines if "name" in line}
+
+
+def check_one_line(name: str, result: dict) -> str:
+    """The command failed or succeeded cleanly: a MocoError code, at most one error line, no traceback.
+    Returns its error line ("" on success)."""
+    stderr = result["stderr"]
+    assert "Traceback" not in stderr, f"{name}: {stderr}"
+    assert result["rc"] in (0, 1, 2, 3, 4, 5, 6, 7), f"{name}: rc {result['rc']}: {stderr}"
+    errors = [line for line in stderr.splitlines() if line.startswith("moco: error:")]
+    others = [line for line in stderr.splitlines() if not line.startswith("moco: error:") and not
+              _LOG_LINE.match(line)]
+    assert not others, f"{name}: lines besides the error and the log: {others}"
+    assert len(errors) == (0 if result["rc"] == 0 else 1), f"{name}: {stderr}"
+    return errors[0] if errors else ""
+
+
+# -- the module's index --------------------------------------------------------------------------------------
+def snapshot(index: Path, generation: str) -> dict:
+    """What a generation answers: every record, and the 5 nearest of every live item's stored vector."""
+    with IndexDirectory(index, generation) as d:
+        ids = [int(i) for i in d.index.ids()]
+        xq = np.stack([d.index.reconstruct(i) for i in ids])
+        D, I = d.index.search(xq, 5)
+        return {"records": d.records(range(d.manifest.next_id)), "I": I.tolist(), "D": np.round(D, 5).tolist()}
+
+
+def _build(images: Path, encoder: Path, out: Path):
+    return build_index_dir(IndexConfig(str(images), str(encoder), str(out), workers=0, progress=False,
+                                       device="cpu"))
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory):
+    """``g000001`` (16 images) and ``g000002`` (one removed, one added: a delta index, a delta store, removed
+    ids), built once; then ``GONE`` is deleted from the folder."""
+    root = tmp_path_factory.mktemp("damage")
+    encoder = write_tiny_encoder(root / "encoder.onnx")
+    images = write_colour_corpus(root / "images", 4, seed=21)
+    index = root / "index"
+    _build(images, encoder, index)
+    (images / "red" / "red_000.png").unlink()
+    write_colour_corpus(root / "more", 1, seed=22)
+    shutil.copyfile(root / "more" / "blue" / "blue_000.png", images / "blue" / "blue_new.png")
+    assert _build(images, encoder, index).generation == LIVE
+    (images / GONE).unlink()
+    return SimpleNamespace(root=root, images=images, encoder=encoder, index=index,
+                           query=images / "blue" / "blue_new.png",
+                           snapshots={g: snapshot(index, g) for g in (PREVIOUS, LIVE)})
+
+
+# -- damages -------------------------------------------------------------------------------------------------
+def _garble(at: Callable[[int], int]) -> Callable[[Path], None]:
+    def damage(path: Path) -> None:
+        data = bytearray(path.read_bytes())
+        start = max(0, min(at(len(data)), len(data) - 64))
+        for i in range(start, min(len(data), start + 64)):
+            data[i] ^= 0xA5
+        path.write_bytes(bytes(data))
+    return damage
+
+
+DAMAGES: dict[str, Callable[[Path], None]] = {
+    "truncated": lambda path: path.write_bytes(path.read_bytes()[: path.stat().st_size // 2]),
+    "emptied": lambda path: path.write_bytes(b""),
+    "deleted": lambda path: path.unlink(),
+    "garbled-head": _garble(lambda n: 0),
+    "garbled-middle": _garble(lambda n: n // 2),
+    "garbled-tail": _garble(lambda n: n),
+}
+
+
+@dataclass(frozen=True)
+class Case:
+    target: str                    # the damaged file, relative to the index directory
+    damage: Callable[[Path], None]
+    named: str                     # what the error lines must name
+    id: str
+
+
+def _current(content: bytes | None) -> Callable[[Path], None]:
+    def damage(path: Path) -> None:
+        if content is None:
+            path.unlink()
+        else:
+            path.write_bytes(content)
+    return damage
+
+
+CURRENT_CASES = [Case("CURRENT", _current(content), "CURRENT", f"CURRENT-{kind}") for kind, content in (
+    ("deleted", None), ("emptied", b""), ("garbage", b"\x00\xffnot a name\n"), ("dotdot", b"../..\n"),
+    ("absent-generation", b"g000007\n"))]
+CASES = CURRENT_CASES
+
+
+def _copy_index(src: Path, dst: Path, case: Case) -> None:
+    """A copy whose files are all its own, except the encoders where they are not damaged: hard links to the
+    fixture's (nothing writes an encoder in place) keep each case's copy small."""
+    def copy(s, d):
+        if Path(s).name == "encoder.onnx" and not case.target.endswith("encoder.onnx"):
+            os.link(s, d)
+        else:
+            shutil.copy2(s, d)
+    shutil.copytree(src, dst, copy_function=copy)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_damaged_index__one_line_errors_and_nothing_lost(case, pristine, tmp_path):
+    index = tmp_path / "index"
+    _copy_index(pristine.index, index, case)
+    case.damage(index / case.target)
+    damaged = (index / case.target).read_bytes() if (index / case.target).exists() else None
+    results = run_commands([
+        ("search", ["search", index, pristine.query, "-k", "3", "--json"]),
+        ("update", ["index", pristine.images, "--model", pristine.encoder, "--out", index, "--workers", "0",
+                    "--no-progress"]),
+    ], tmp_path)
+    for name, result in results.items():
+        error = check_one_line(name, result)
+        if result["rc"] != 0:
+            assert result["rc"] == 4 and case.named in error, f"{name}: {error}"
+    assert results["search"]["rc"] == 4 and results["update"]["rc"] == 4
+    assert "g000001, g000002" in results["search"]["stderr"] and "--rebuild" in results["search"]["stderr"]
+    # nothing lost: the refused update changed nothing, and the restored index answers as before
+    assert sorted(p.name for p in (index / "generations").iterdir()) == [PREVIOUS, LIVE]
+    assert ((index / case.target).read_bytes() if (index / case.target).exists() else None) == damaged
+    shutil.copy2(pristine.index / case.target, index / case.target)
+    for generation in (PREVIOUS, LIVE):
+        assert snapshot(index, generation) == pristine.snapshots[generation]
+
+
+def test_damaged_current__rebuild_starts_over_after_the_newest_generation(pristine, tmp_path):
+    index = tmp_path / "index"
+    shutil.copytree(pristine.index, index)
+    (index / "CURRENT").write_text("../..\n")
+    with IndexDirectory(index, LIVE) as d:
+        next_id = d.manifest.next_id
+    result = build_index_dir(IndexConfig(str(pristine.images), str(pristine.encoder), str(index), workers=0,
+                                         progress=False, device="cpu", rebuild=True))
+    assert result.generation == "g000003" and (index / "CURRENT").read_text() == "g000003\n"
+    assert sorted(p.name for p in (index / "generations").iterdir()) == [LIVE, "g000003"]
+    with IndexDirectory.open(index) as d:
+        assert min(int(i) for i in d.index.ids()) >= next_id  # ids continue: none is reused
