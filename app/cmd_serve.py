@@ -88,9 +88,12 @@ def _check_index(index_dir: str, model: str | None) -> None:
 
     from indexer.encoder import read_encoder_metadata
     from indexer.index_dir import IndexDirectory
+    from indexer.manifest import check_encoder_copy
 
     with IndexDirectory.open(index_dir) as directory:
         path = Path(model) if model else directory.encoder_path
+        if not model:
+            check_encoder_copy(path, directory.manifest, index_dir)
         meta = read_encoder_metadata(path)
         encoder = SimpleNamespace(path=path, sha256=hashlib.sha256(path.read_bytes()).hexdigest(),
                                   embedding_dim=meta["embedding_dim"])

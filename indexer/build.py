@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -40,6 +41,7 @@ from contracts.launch import WorldInfo, world_info_from_env
 from indexer import faiss_index, update
 from indexer.embed import FolderEmbedder
 from indexer.encoder import OnnxEncoder, available_cores
+from indexer.index_dir import IndexDirectory
 from indexer.layout import (
     GenerationPaths,
     IndexLayout,
@@ -177,6 +179,18 @@ class _Run:
     @property
     def encoder(self):
         return self.embedder.encoder
+
+
+@contextmanager
+def _staging(layout: IndexLayout):
+    """A staging folder for the next generation, removed when the run fails before publishing it: a refused
+    update leaves the directory as it found it (a kill leaves it to the next run, which removes it)."""
+    staging = new_staging_dir(layout)
+    try:
+        yield staging
+    except BaseException:
+        shutil.rmtree(staging.root, ignore_errors=True)  # once published it was renamed away: nothing to do
+        raise
 
 
 @contextmanager
@@ -424,13 +438,13 @@ def _commit(run: _Run, t_start: float) -> IndexResult:
             return result
 
     name = generation_name(generation_number(run.previous) + 1 if run.previous else 1)
-    staging = new_staging_dir(layout)
-    if base is None:
-        manifest, timings = _commit_full(run, staging, name, readable, counts)
-    else:
-        manifest, timings = _commit_update(run, staging, name, readable, counts)
-    run.timings.update(timings)
-    result = _publish(run, staging, manifest, counts, skipped_list, t_start, previous=run.previous)
+    with _staging(layout) as staging:
+        if base is None:
+            manifest, timings = _commit_full(run, staging, name, readable, counts)
+        else:
+            manifest, timings = _commit_update(run, staging, name, readable, counts)
+        run.timings.update(timings)
+        result = _publish(run, staging, manifest, counts, skipped_list, t_start, previous=run.previous)
     if base is not None and _compaction_wanted(run, manifest):
         compacted = _compact(run, name, t_start, skipped_list, counts)
         result.compacted = compacted.generation
@@ -598,11 +612,17 @@ def _duplicate_change(added: list[dict], removed: list[tuple[dict, bool]]) -> in
 def _compact(run: _Run, source: str, t_start: float, skipped_list: list[dict], counts: dict) -> IndexResult:
     """Publish the live content of generation ``source`` as a new base (see ``indexer.update``)."""
     cfg, layout, encoder = run.cfg, run.layout, run.encoder
+    with _staging(layout) as staging:
+        return _compact_into(run, source, staging, t_start, skipped_list, counts)
+
+
+def _compact_into(run: _Run, source: str, staging: GenerationPaths, t_start: float, skipped_list: list[dict],
+                  counts: dict) -> IndexResult:
+    cfg, layout, encoder = run.cfg, run.layout, run.encoder
     src = layout.generation(source)
     manifest = IndexManifest.read(src.manifest)
     name = generation_name(generation_number(source) + 1)
     tic = time.perf_counter()
-    staging = new_staging_dir(layout)
     with output_errors(staging.meta):
         if src.delta_meta.is_dir():
             materialize(src.meta, src.delta_meta, staging.meta)
@@ -660,6 +680,7 @@ def _publish(run: _Run, staging: GenerationPaths, manifest: IndexManifest, count
     layout = run.layout
     tic = time.perf_counter()
     manifest.write(staging.manifest)
+    _check_opens(layout, staging)
     publish(layout, staging, manifest.generation, previous)
     run.timings["publish"] = run.timings.get("publish", 0.0) + time.perf_counter() - tic
     stats = run.stats
@@ -676,6 +697,19 @@ def _publish(run: _Run, staging: GenerationPaths, manifest: IndexManifest, count
     write_json_atomic(layout.report, asdict(result))
     link_or_copy_atomic(layout.report, layout.generation(manifest.generation).report)
     return result
+
+
+def _check_opens(layout: IndexLayout, staging: GenerationPaths) -> None:
+    """Open the assembled generation as a server will before it is published (every part read, counted and
+    checked against the manifest): an update over an unreadable ``vectors.faiss`` published a generation that
+    could not be opened, with exit 0. Memory maps where the index type allows, so it costs little more than
+    reading the headers.
+
+    Raises:
+        ArtifactError: a part that does not open or does not match the manifest.
+    """
+    with IndexDirectory(layout.root, staging.root.name):
+        pass
 
 
 def _copy_encoder(run: _Run, staging: GenerationPaths) -> None:

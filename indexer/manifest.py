@@ -130,3 +130,21 @@ class IndexManifest:
         if encoder.embedding_dim != self.embedding_dim:
             raise ArtifactError(f"index {where} holds {self.embedding_dim}-d vectors, but {encoder.path} makes "
                                 f"{encoder.embedding_dim}-d ones; {remedy}")
+
+
+def check_encoder_copy(path: str | os.PathLike, manifest: IndexManifest, where: str) -> None:
+    """Refuse a generation's own ``encoder.onnx`` that is no longer the model its manifest names (its sha256),
+    before anything parses it: a damaged copy failed inside ONNX Runtime with a traceback, or read as the
+    user's choice of another model.
+
+    Raises:
+        ArtifactError: missing, unreadable or damaged.
+    """
+    digest = file_sha256(path)
+    if digest is None:
+        raise ArtifactError(f"{path} is missing or unreadable; rebuild with `moco index --rebuild`, or pass "
+                            "--model with the encoder the index was built with")
+    if digest != manifest.model_sha256:
+        raise ArtifactError(f"index {where} was built with another model ({manifest.model_sha256[:12]}) than its own "
+                            f"copy {path} ({digest[:12]}): the copy is damaged or was replaced; rebuild with "
+                            "`moco index --rebuild`, or pass --model with the encoder the index was built with")

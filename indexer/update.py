@@ -27,12 +27,12 @@ import faiss
 import numpy as np
 
 from contracts.atomic import atomic_write, link_or_copy_atomic, output_errors
-from contracts.errors import IndexBuildError
+from contracts.errors import ArtifactError, IndexBuildError
 from indexer.faiss_index import read_index, write_index
 from indexer.layout import GenerationPaths, IndexLayout
 from indexer.manifest import IndexManifest
 from indexer.metadata import MetadataStore, copy_store, link_store
-from indexer.vectors import BlockWriter, block_rows, live_blocks
+from indexer.vectors import BlockWriter, block_rows, live_blocks, open_block
 
 LOG = logging.getLogger(__name__)
 
@@ -66,8 +66,29 @@ def open_delta_store(prev: GenerationPaths, staging: GenerationPaths) -> Metadat
 
 def _new_delta(prev: GenerationPaths, d: int) -> faiss.Index:
     if prev.trained.is_file():  # IVF: the same trained lists as the base
-        return faiss.read_index(str(prev.trained))
+        return read_index(prev.trained)
     return faiss.index_factory(d, "IDMap2,Flat", faiss.METRIC_INNER_PRODUCT)
+
+
+def read_delta(gen: GenerationPaths, manifest: IndexManifest, factory: str | None = None,
+               mmap: bool = False) -> faiss.Index | None:
+    """The generation's delta index (``None`` when it has none), checked against its manifest's
+    ``delta_count``: a missing delta was read as an empty one, losing its items without a word.
+
+    Raises:
+        ArtifactError: missing while the manifest counts items in it, unreadable, or holding another count.
+    """
+    path = gen.delta_index
+    if not path.is_file():
+        if manifest.delta_count:
+            raise ArtifactError(f"{path} is missing (its manifest counts {manifest.delta_count} items added since "
+                                "the base); rebuild with `moco index --rebuild`")
+        return None
+    delta = read_index(path, factory, mmap=mmap)
+    if delta.ntotal != manifest.delta_count or delta.d != manifest.embedding_dim:
+        raise ArtifactError(f"{path} holds {delta.ntotal} {delta.d}-d vectors, its manifest counts "
+                            f"{manifest.delta_count} {manifest.embedding_dim}-d; rebuild with `moco index --rebuild`")
+    return delta
 
 
 def update_faiss(prev: GenerationPaths, staging: GenerationPaths, manifest: IndexManifest, add_ids: np.ndarray,
@@ -81,9 +102,10 @@ def update_faiss(prev: GenerationPaths, staging: GenerationPaths, manifest: Inde
     removed_ids = np.asarray(removed_ids, dtype=np.int64)
     in_delta = removed_ids[removed_ids >= manifest.base_next_id]
     in_base = removed_ids[removed_ids < manifest.base_next_id]
+    delta = read_delta(prev, manifest)
+    if delta is None:
+        delta = _new_delta(prev, manifest.embedding_dim)
     try:
-        delta = (faiss.read_index(str(prev.delta_index)) if prev.delta_index.is_file()
-                 else _new_delta(prev, manifest.embedding_dim))
         if len(in_delta):
             gone = delta.remove_ids(faiss.IDSelectorBatch(in_delta))
             if gone != len(in_delta):
@@ -96,12 +118,39 @@ def update_faiss(prev: GenerationPaths, staging: GenerationPaths, manifest: Inde
         raise IndexBuildError(f"FAISS failed updating the delta index: {str(exc).splitlines()[-1]}") from exc
     if delta.ntotal:
         write_index(delta, str(staging.delta_index))
-    removed = np.load(prev.removed) if prev.removed.is_file() else np.zeros(0, dtype=np.int64)
-    removed = np.union1d(removed, in_base).astype(np.int64)
+    removed = np.union1d(read_removed(prev, manifest), in_base).astype(np.int64)
     if len(removed):
         with atomic_write(staging.removed) as f:
             np.save(f, removed)
     return int(delta.ntotal), int(len(removed))
+
+
+def read_removed(gen: GenerationPaths, manifest: IndexManifest) -> np.ndarray:
+    """The generation's removed base ids: sorted, unique int64, checked against its manifest (``removed_count``
+    of them, each below ``base_next_id``), since a damaged file otherwise let removed items back into results
+    or raised numpy's tracebacks.
+
+    Raises:
+        ArtifactError: missing while the manifest counts removed ids, unreadable, or not those ids.
+    """
+    path = gen.removed
+    if not path.is_file():
+        if manifest.removed_count:
+            raise ArtifactError(f"{path} is missing (its manifest counts {manifest.removed_count} removed ids); "
+                                "rebuild with `moco index --rebuild`")
+        return np.zeros(0, dtype=np.int64)
+    try:
+        removed = np.load(path, allow_pickle=False)
+    except (OSError, ValueError, EOFError) as exc:
+        raise ArtifactError(f"{path} is unreadable ({str(exc).splitlines()[0][:120]}); rebuild with "
+                            "`moco index --rebuild`") from exc
+    ok = (removed.ndim == 1 and removed.dtype == np.int64 and len(removed) == manifest.removed_count
+          and (len(removed) == 0 or (removed[0] >= 0 and removed[-1] < manifest.base_next_id
+                                     and bool(np.all(removed[1:] > removed[:-1])))))
+    if not ok:
+        raise ArtifactError(f"{path} is damaged: not the {manifest.removed_count} sorted base ids its manifest "
+                            "counts; rebuild with `moco index --rebuild`")
+    return removed
 
 
 def read_trained(gen: GenerationPaths) -> faiss.Index | None:
@@ -116,7 +165,7 @@ def compact_blocks(layout: IndexLayout, names: list[str], live_ids: np.ndarray, 
     if not names:
         return []
     rows = block_rows(layout, names)
-    dtypes = {np.load(layout.vector_block(b)[1], mmap_mode="r").dtype for b in names}
+    dtypes = {open_block(layout, b)[1].dtype for b in names}
     dead = rows - len(live_ids)
     if len(names) <= MAX_BLOCKS and dead <= MAX_DEAD_FRACTION * max(rows, 1) and dtypes <= {np.dtype(dtype)}:
         return list(names)
@@ -128,7 +177,7 @@ def compact_blocks(layout: IndexLayout, names: list[str], live_ids: np.ndarray, 
 
 
 def _dim(layout: IndexLayout, names: list[str]) -> int:
-    return int(np.load(layout.vector_block(names[0])[1], mmap_mode="r").shape[1])
+    return int(open_block(layout, names[0])[1].shape[1])
 
 
 def base_paths(gen: GenerationPaths) -> list[Path]:

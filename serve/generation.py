@@ -21,6 +21,7 @@ from contracts.errors import ArtifactError
 from indexer.encoder import OnnxEncoder
 from indexer.index_dir import IndexDirectory
 from indexer.layout import current_generation
+from indexer.manifest import check_encoder_copy
 
 LOG = logging.getLogger(__name__)
 
@@ -105,6 +106,8 @@ class ServedGeneration:
             if reuse is not None and model is None and reuse.sha256 == manifest.model_sha256:
                 encoder = reuse
             else:
+                if model is None:  # the index's own copy: damaged, not "another model", when it is not the one
+                    check_encoder_copy(directory.encoder_path, manifest, str(index_dir))
                 encoder = OnnxEncoder(model if model is not None else directory.encoder_path, device=device,
                                       threads=threads, spin=spin)
             manifest.check_encoder(encoder, str(index_dir), "serve it with the model it was built with, or rebuild "

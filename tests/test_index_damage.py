@@ -172,7 +172,16 @@ def _current(content: bytes | None) -> Callable[[Path], None]:
 CURRENT_CASES = [Case("CURRENT", _current(content), "CURRENT", f"CURRENT-{kind}") for kind, content in (
     ("deleted", None), ("emptied", b""), ("garbage", b"\x00\xffnot a name\n"), ("dotdot", b"../..\n"),
     ("absent-generation", b"g000007\n"))]
-CASES = CURRENT_CASES
+GENERATION_FILES = {  # file of the live generation -> what an error about it must name
+    "manifest.json": "manifest.json", "vectors.faiss": "vectors.faiss", "delta.faiss": "delta.faiss",
+    "removed.npy": "removed.npy", "meta.lmdb/data.mdb": "meta.lmdb", "delta.lmdb/data.mdb": "delta.lmdb",
+    "encoder.onnx": "encoder.onnx"}
+BLOCK_FILES = ("g000001.vec.npy", "g000002.ids.npy")  # the base's rows, the ids of the rows the update added
+FILE_CASES = [Case(f"generations/{LIVE}/{name}", damage, named, f"{name}-{kind}")
+              for name, named in GENERATION_FILES.items() for kind, damage in DAMAGES.items()]
+BLOCK_CASES = [Case(f"vectors/{name}", damage, name.split(".")[0], f"{name}-{kind}")
+               for name in BLOCK_FILES for kind, damage in DAMAGES.items()]
+CASES = CURRENT_CASES + FILE_CASES + BLOCK_CASES
 
 
 def _copy_index(src: Path, dst: Path, case: Case) -> None:
@@ -201,14 +210,17 @@ def test_damaged_index__one_line_errors_and_nothing_lost(case, pristine, tmp_pat
         error = check_one_line(name, result)
         if result["rc"] != 0:
             assert result["rc"] == 4 and case.named in error, f"{name}: {error}"
-    assert results["search"]["rc"] == 4 and results["update"]["rc"] == 4
-    assert "g000001, g000002" in results["search"]["stderr"] and "--rebuild" in results["search"]["stderr"]
+    if case in CURRENT_CASES:
+        assert results["search"]["rc"] == 4 and results["update"]["rc"] == 4
+        assert "g000001, g000002" in results["search"]["stderr"] and "--rebuild" in results["search"]["stderr"]
     # nothing lost: the refused update changed nothing, and the restored index answers as before
-    assert sorted(p.name for p in (index / "generations").iterdir()) == [PREVIOUS, LIVE]
-    assert ((index / case.target).read_bytes() if (index / case.target).exists() else None) == damaged
+    if results["update"]["rc"] != 0:
+        assert sorted(p.name for p in (index / "generations").iterdir()) == [PREVIOUS, LIVE]
+        assert ((index / case.target).read_bytes() if (index / case.target).exists() else None) == damaged
     shutil.copy2(pristine.index / case.target, index / case.target)
     for generation in (PREVIOUS, LIVE):
-        assert snapshot(index, generation) == pristine.snapshots[generation]
+        if (index / "generations" / generation).is_dir():
+            assert snapshot(index, generation) == pristine.snapshots[generation]
 
 
 def test_damaged_current__rebuild_starts_over_after_the_newest_generation(pristine, tmp_path):
@@ -223,3 +235,116 @@ def test_damaged_current__rebuild_starts_over_after_the_newest_generation(pristi
     assert sorted(p.name for p in (index / "generations").iterdir()) == [LIVE, "g000003"]
     with IndexDirectory.open(index) as d:
         assert min(int(i) for i in d.index.ids()) >= next_id  # ids continue: none is reused
+
+
+# -- full disks ------------------------------------------------------------------------------------------------
+def _names(start: int, stop: int) -> list[str]:
+    return [f"c{i % 3}/f{i:04d}.png" for i in range(start, stop)]
+
+
+def _synthetic_index(tmp_path: Path):
+    """An index of 200 synthetic vectors (no model runs) and 50 more files for an update."""
+    from tests.index_fixtures import SyntheticEmbedder, touch_files
+
+    data, out = tmp_path / "images", tmp_path / "index"
+    emb = SyntheticEmbedder(tmp_path / "model", d=64)
+    touch_files(data, _names(0, 200))
+    cfg = IndexConfig(str(data), str(emb.encoder.path), str(out), workers=0, progress=False, shard_size=64)
+    build_index_dir(cfg, embedder=emb)
+    touch_files(data, _names(200, 250))
+    return cfg, emb, out
+
+
+def _assert_untouched(out: Path, generation: str = PREVIOUS) -> None:
+    assert (out / "CURRENT").read_text() == f"{generation}\n"
+    assert sorted(p.name for p in (out / "generations").iterdir()) == [generation]  # no staging left behind
+    assert {p.name.split(".")[0] for p in (out / "vectors").iterdir()} == {generation}  # no half-written block
+    with IndexDirectory.open(out) as d:
+        assert d.index.ntotal == d.manifest.count == 200
+
+
+def test_disk_full__while_writing_the_vector_block_is_one_line_and_keeps_the_live_generation(tmp_path, monkeypatch):
+    import errno
+
+    from contracts.errors import OutputError
+    from indexer import vectors
+
+    cfg, emb, out = _synthetic_index(tmp_path)
+
+    class FullDisk:  # a file on a disk that fills up after the block's header and a few rows
+        def __init__(self, f):
+            self.f, self.written = f, 0
+
+        def write(self, data):
+            self.written += len(memoryview(data).cast("B"))
+            if self.written > 4096:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return self.f.write(data)
+
+        def close(self):
+            self.f.close()
+
+    monkeypatch.setattr(vectors, "open", lambda *a, **k: FullDisk(open(*a, **k)), raising=False)
+    with pytest.raises(OutputError, match=r"^disk full while writing .*vectors/g000002\.vec\.npy; free some space"):
+        build_index_dir(cfg, embedder=emb)
+    _assert_untouched(out)
+    monkeypatch.undo()
+    assert build_index_dir(cfg, embedder=emb).generation == LIVE  # and the rerun publishes, from the shards
+    assert emb.calls[-1] == 0
+
+
+def test_disk_full__free_space_is_checked_before_the_block_is_written(tmp_path, monkeypatch):
+    import shutil as shutil_module
+    from collections import namedtuple
+
+    from contracts import atomic
+    from contracts.errors import OutputError
+
+    cfg, emb, out = _synthetic_index(tmp_path)
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(atomic.shutil, "disk_usage", lambda path: usage(1 << 30, (1 << 30) - 2048, 2048))
+    with pytest.raises(OutputError, match=r"^disk full: vector block .*g000002\.vec\.npy needs 0\.0 MB"):
+        build_index_dir(cfg, embedder=emb)
+    monkeypatch.setattr(atomic.shutil, "disk_usage", shutil_module.disk_usage)
+    _assert_untouched(out)
+
+
+def _unshare_prefix() -> list[str] | None:
+    """The command that runs the rest in a mount namespace of its own (where a tmpfs may be mounted without
+    touching the machine's mounts), or None where this machine does not allow it."""
+    if shutil.which("unshare") is None:
+        return None
+    prefix = ["unshare", "--mount"] + ([] if os.geteuid() == 0 else ["--map-root-user"])
+    probe = subprocess.run(prefix + ["sh", "-c", "mount -t tmpfs -o size=64k tmpfs /mnt 2>/dev/null || "
+                                                 "mount -t tmpfs -o size=64k tmpfs /tmp"],
+                           capture_output=True, timeout=30)
+    return prefix if probe.returncode == 0 else None
+
+
+def test_disk_full__a_small_tmpfs_at_every_fill_level_gives_one_line_never_a_signal(pristine, tmp_path):
+    """A first build into a tmpfs too small for it, at sizes that run out in each of its writers in turn
+    (shards, metadata, vector block, FAISS, encoder copy, manifest): each run ends with exit 5 and one line,
+    never with SIGBUS, and nothing is published half."""
+    prefix = _unshare_prefix()
+    if prefix is None:
+        pytest.skip("no mount namespace here for a small tmpfs; the ENOSPC injection tests above cover the writer")
+    encoder = write_tiny_encoder(tmp_path / "encoder.onnx", d=256)
+    images = write_colour_corpus(tmp_path / "images", 60, seed=23)  # 240 images: 240 kB of vectors per copy
+    full = tmp_path / "full"
+    argv = [sys.executable, "-m", "app.cli", "index", str(images), "--model", str(encoder), "--workers", "0",
+            "--no-progress", "--out"]
+    subprocess.run(argv + [str(full)], cwd=REPO, check=True, capture_output=True, timeout=120)
+    needed = sum(p.stat().st_size for p in full.rglob("*") if p.is_file()) + (len(list(full.rglob("*"))) << 12)
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    outcomes = []
+    for fraction in (0.1, 0.25, 0.4, 0.55, 0.75):  # measured: shards, block (free space), block, FAISS, encoder
+        size_kb = max(64, int(needed * fraction) >> 10)
+        script = 'mount -t tmpfs -o size="$1"k tmpfs "$2" && shift 2 && exec "$@"'
+        proc = subprocess.run(prefix + ["sh", "-c", script, "sh", str(size_kb), str(disk)] + argv + [str(disk / "i")],
+                              cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert proc.returncode in (0, 5), f"{size_kb} kB: exit {proc.returncode} (-7: SIGBUS): {proc.stderr[-1500:]}"
+        error = check_one_line(f"{size_kb} kB", {"rc": proc.returncode, "stderr": proc.stderr})
+        assert proc.returncode == 0 or "disk full" in error or "cannot write" in error, error
+        outcomes.append(proc.returncode)
+    assert outcomes.count(5) >= 4, outcomes
