@@ -38,11 +38,14 @@ from contracts.atomic import atomic_write, link_or_copy_atomic, output_errors, w
 from contracts.errors import ArtifactError, ConfigError, DataError, OutputError
 from contracts.filenames import display_name
 from contracts.launch import WorldInfo, world_info_from_env
-from indexer import faiss_index, update
+from indexer import faiss_index, integrity, update
 from indexer.embed import FolderEmbedder
 from indexer.encoder import OnnxEncoder, available_cores
 from indexer.index_dir import IndexDirectory
 from indexer.layout import (
+    ENCODER_FILE,
+    LMDB_DATA_FILE,
+    META_DIR,
     GenerationPaths,
     IndexLayout,
     generation_name,
@@ -113,6 +116,7 @@ class IndexConfig:
     compact: str = "auto"               # auto (past 5% of changes), now, never
     changed_list: str | None = None     # file of relative paths to look at instead of rescanning the folder
     rank_timeout: float = DEFAULT_TIMEOUT_S  # rank 0 gives up on a rank without progress for this long
+    verify: bool = False                # hash every file of the live generation before updating it (not just sizes)
 
     def __post_init__(self):
         if self.batch_size < 1:
@@ -297,6 +301,14 @@ def _prepare(cfg: IndexConfig, layout: IndexLayout, image_root: Path, labels, wo
              scanner, live: str | None) -> _Run:
     run = _Run(cfg, layout, image_root, world, embedder, previous=live)
     run.prev_manifest = _previous_manifest(layout, live, cfg.rebuild)
+    if run.prev_manifest is not None and not cfg.rebuild and world.rank == 0:
+        # before anything is scanned or embedded: what an update reads and copies is hashed (the delta layer:
+        # small), what it shares and carries forward is sized; --verify hashes everything
+        checked = integrity.check_files(layout, live, run.prev_manifest,
+                                        hashed=integrity.ALL if cfg.verify else integrity.UPDATE_READS,
+                                        blocks=True, hashed_blocks=cfg.verify,
+                                        ignore=() if cfg.verify else (ENCODER_FILE,))
+        run.timings["check_previous"] = checked.seconds
     tic = time.perf_counter()
     gone = None
     if cfg.changed_list:
@@ -485,12 +497,14 @@ def _records(run: _Run, readable: list[ScanEntry], next_id: int) -> list[dict]:
     return records
 
 
-def _write_block(run: _Run, name: str, ids: np.ndarray, vectors: np.ndarray, dtype) -> list[str]:
+def _write_block(run: _Run, name: str, ids: np.ndarray, vectors: np.ndarray, dtype
+                 ) -> tuple[list[str], dict[str, dict]]:
+    """The block of this run's new vectors (none when there are none), and its files' records."""
     if not len(ids):
-        return []
+        return [], {}
     with BlockWriter(run.layout, name, len(ids), vectors.shape[1], dtype) as writer:
         writer.extend(ids, vectors)
-    return [name]
+    return [name], writer.records
 
 
 def _commit_full(run: _Run, staging: GenerationPaths, name: str, readable: list[ScanEntry], counts: dict):
@@ -522,10 +536,14 @@ def _commit_full(run: _Run, staging: GenerationPaths, name: str, readable: list[
     built = _build_faiss(run, staging, choice, ids, blocks)
     _copy_encoder(run, staging)
     t_index = time.perf_counter() - tic
+    tic = time.perf_counter()
+    files = integrity.record_files(staging, integrity.encoder_record(staging, encoder.sha256))
+    block_files = integrity.record_blocks(run.layout, blocks, writer.records)
     manifest = _manifest(run, name, built, count=len(ids), next_id=final_next_id, duplicates=duplicates,
                          labels=labels, blocks=blocks, counts=counts, dtype=dtype, base_count=len(ids),
-                         base_next_id=final_next_id, delta_count=0, removed_count=0, base_generation=name)
-    return manifest, {"commit": t_commit, "index": t_index}
+                         base_next_id=final_next_id, delta_count=0, removed_count=0, base_generation=name,
+                         files=files, block_files=block_files)
+    return manifest, {"commit": t_commit, "index": t_index, "checksums": time.perf_counter() - tic}
 
 
 def _build_faiss(run: _Run, staging: GenerationPaths, choice: faiss_index.IndexChoice, live_ids: np.ndarray,
@@ -569,13 +587,20 @@ def _commit_update(run: _Run, staging: GenerationPaths, name: str, readable: lis
     duplicates = base.duplicates + _duplicate_change(stored, removed)
     dtype = np.dtype(base.block_dtype)
     blocks = [b for b in base.vector_blocks if block_exists(layout, b)]
-    blocks += _write_block(run, name, ids, vectors, dtype)
+    new_blocks, new_block_files = _write_block(run, name, ids, vectors, dtype)
+    blocks += new_blocks
     t_commit = time.perf_counter() - tic
     tic = time.perf_counter()
     delta_count, removed_count = update.update_faiss(prev, staging, base, ids, vectors,
                                                      np.asarray(old_ids, dtype=np.int64))
     _copy_encoder(run, staging)
     t_index = time.perf_counter() - tic
+    tic = time.perf_counter()
+    # the base is shared with the predecessor by hard links: its records carry over unread (an update costs
+    # what changed); the delta layer this run wrote is hashed
+    files = integrity.record_files(staging, {**integrity.carried(base),
+                                             **integrity.encoder_record(staging, run.encoder.sha256)})
+    block_files = integrity.record_blocks(layout, blocks, {**base.block_files, **new_block_files})
     count = base.count + len(ids) - len(old_ids)
     built = faiss_index.BuiltIndex(index=None, factory=base.factory, search_params=base.search_params,
                                    recall_at_10=base.recall_at_10, exact=base.exact, trained_on=base.trained_on,
@@ -583,11 +608,12 @@ def _commit_update(run: _Run, staging: GenerationPaths, name: str, readable: lis
     manifest = _manifest(run, name, built, count=count, next_id=final_next_id, duplicates=duplicates,
                          labels=labels, blocks=blocks, counts=counts, dtype=dtype, base_count=base.base_count,
                          base_next_id=base.base_next_id, delta_count=delta_count, removed_count=removed_count,
-                         base_generation=base.base_generation or base.generation)
+                         base_generation=base.base_generation or base.generation, files=files,
+                         block_files=block_files)
     if base.base_count - removed_count + delta_count != count:
         raise ArtifactError(f"{layout.root}: the update of {run.previous} would hold {count} items but its FAISS "
                             "parts do not; rebuild with `moco index --rebuild`")
-    return manifest, {"commit": t_commit, "index": t_index}
+    return manifest, {"commit": t_commit, "index": t_index, "checksums": time.perf_counter() - tic}
 
 
 def _label_counts(labels: dict, added: list[dict], removed: list[dict]) -> dict:
@@ -623,11 +649,17 @@ def _compact_into(run: _Run, source: str, staging: GenerationPaths, t_start: flo
     manifest = IndexManifest.read(src.manifest)
     name = generation_name(generation_number(source) + 1)
     tic = time.perf_counter()
+    # everything the new base is rebuilt from, hashed first: a compaction over a damaged vector block published
+    # garbage measured at "recall@10 1.0" (the recall check reads the same blocks)
+    integrity.check_files(layout, source, manifest, hashed=integrity.COMPACTION_READS, blocks=True,
+                          hashed_blocks=True)
     with output_errors(staging.meta):
         if src.delta_meta.is_dir():
             materialize(src.meta, src.delta_meta, staging.meta)
+            linked = {}
         else:
             link_store(src.meta, staging.meta)
+            linked = integrity.carried(manifest, [f"{META_DIR}/{LMDB_DATA_FILE}"])
     with MetadataStore(staging.meta) as store:
         live_ids = store.live_ids()
     choice = _wanted(cfg, max(1, len(live_ids)), encoder.embedding_dim)
@@ -637,16 +669,19 @@ def _compact_into(run: _Run, source: str, staging: GenerationPaths, t_start: flo
         choice = faiss_index.IndexChoice(manifest.factory, choice.on_disk)
     dtype = block_dtype(choice.factory)
     blocks = [b for b in manifest.vector_blocks if block_exists(layout, b)]
-    blocks = update.compact_blocks(layout, blocks, live_ids, name, dtype)
+    blocks, new_block_files = update.compact_blocks(layout, blocks, live_ids, name, dtype)
     t_meta = time.perf_counter() - tic
     tic = time.perf_counter()
     built = _build_faiss(run, staging, choice, live_ids, blocks, trained=trained)
     _copy_encoder(run, staging)
     t_index = time.perf_counter() - tic
+    files = integrity.record_files(staging, {**linked, **integrity.encoder_record(staging, encoder.sha256)})
+    block_files = integrity.record_blocks(layout, blocks, {**manifest.block_files, **new_block_files})
     compacted = _manifest(run, name, built, count=len(live_ids), next_id=manifest.next_id,
                           duplicates=manifest.duplicates, labels=manifest.labels, blocks=blocks,
                           counts=counts, dtype=dtype, base_count=len(live_ids),
-                          base_next_id=manifest.next_id, delta_count=0, removed_count=0, base_generation=name)
+                          base_next_id=manifest.next_id, delta_count=0, removed_count=0, base_generation=name,
+                          files=files, block_files=block_files)
     compacted.created_at = manifest.created_at
     run.timings.update({"compact_metadata": t_meta, "compact_index": t_index})
     result = _publish(run, staging, compacted, counts, skipped_list, t_start, previous=source, mode="compaction")
@@ -655,7 +690,8 @@ def _compact_into(run: _Run, source: str, staging: GenerationPaths, t_start: flo
 
 
 def _manifest(run: _Run, name: str, built: faiss_index.BuiltIndex, *, count, next_id, duplicates, labels, blocks,
-              counts, dtype, base_count, base_next_id, delta_count, removed_count, base_generation) -> IndexManifest:
+              counts, dtype, base_count, base_next_id, delta_count, removed_count, base_generation, files,
+              block_files) -> IndexManifest:
     cfg, encoder, base = run.cfg, run.encoder, run.base
     now = utc_now()
     return IndexManifest(
@@ -671,7 +707,7 @@ def _manifest(run: _Run, name: str, built: faiss_index.BuiltIndex, *, count, nex
         base_generation=base_generation,
         last_update={"added": counts["added"], "updated": counts["updated"], "removed": counts["removed"],
                      "unchanged": run.plan.unchanged},
-        library_versions=_library_versions(),
+        library_versions=_library_versions(), files=files, block_files=block_files,
     )
 
 

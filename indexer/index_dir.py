@@ -24,6 +24,7 @@ import numpy as np
 from contracts.errors import ArtifactError
 from indexer import faiss_gpu
 from indexer.faiss_index import read_index
+from indexer.integrity import check_files
 from indexer.layout import IndexLayout, current_generation
 from indexer.manifest import IndexManifest
 from indexer.metadata import MetadataStore
@@ -57,6 +58,9 @@ class IndexDirectory:
         if not gen.root.is_dir():
             raise layout.damaged_pointer(f"names {generation}, which is not there")
         self.manifest = m = IndexManifest.read(gen.manifest)
+        # the size of every recorded file (a stat each), and of the blocks IVF-PQ re-ranks with: a damaged file
+        # is named here, before FAISS or LMDB read it (indexer.integrity: what is hashed when)
+        check_files(layout, generation, m, blocks="refine" in m.search_params)
         base = read_index(gen.index, m.factory, on_disk=m.on_disk, mmap=mmap)
         if base.ntotal != m.base_count or base.d != m.embedding_dim:
             raise ArtifactError(f"{gen.index} holds {base.ntotal} {base.d}-d vectors, its manifest counts "

@@ -63,6 +63,13 @@ DELTA_META_DIR = "delta.lmdb"
 ENCODER_FILE = "encoder.onnx"
 REPORT_FILE = "report.json"
 STAGING_PREFIX = ".tmp-"
+LMDB_DATA_FILE = "data.mdb"  # LMDB's name for a store's data file (indexer.metadata.DATA_FILE)
+# Every data file a generation may hold, by its path inside the generation folder: the keys of the manifest's
+# ``files``. Not report.json (what a run did, linked in after publishing) nor LMDB's lock files.
+GENERATION_FILES = (INDEX_FILE, LISTS_FILE, TRAINED_FILE, DELTA_INDEX_FILE, REMOVED_FILE,
+                    f"{META_DIR}/{LMDB_DATA_FILE}", f"{DELTA_META_DIR}/{LMDB_DATA_FILE}", ENCODER_FILE)
+# ... and those an update shares with its predecessor by hard links (the base)
+SHARED_FILES = (INDEX_FILE, LISTS_FILE, TRAINED_FILE, f"{META_DIR}/{LMDB_DATA_FILE}")
 
 
 _GENERATION_NAME = re.compile(r"g[0-9]{6,}")  # what generation_name writes (more digits past 999,999)
@@ -129,6 +136,14 @@ class GenerationPaths:
     def report(self) -> Path:
         return self.root / REPORT_FILE
 
+    def file(self, name: str) -> Path:
+        """The path of one of :data:`GENERATION_FILES`."""
+        return self.root / name
+
+    def files(self) -> dict[str, Path]:
+        """:data:`GENERATION_FILES` present in this generation, by name."""
+        return {name: self.root / name for name in GENERATION_FILES if (self.root / name).is_file()}
+
 
 @dataclass(frozen=True)
 class IndexLayout:
@@ -170,6 +185,10 @@ class IndexLayout:
     def vector_block(self, name: str) -> tuple[Path, Path]:
         """``(ids, vectors)`` files of the block written by generation ``name``."""
         return self.vectors / f"{name}.ids.npy", self.vectors / f"{name}.vec.npy"
+
+    def block_file(self, file_name: str) -> Path:
+        """A file of ``vectors/`` by its name (a key of the manifest's ``block_files``)."""
+        return self.vectors / file_name
 
     def generation_names(self) -> list[str]:
         """The generation folders present (published or left by a run that died publishing), oldest first."""

@@ -27,7 +27,9 @@ def file_sha256(path: str | os.PathLike) -> str | None:
 
 
 INDEX_FORMAT = "moco-retrieval/index"
-INDEX_FORMAT_VERSION = 2  # 2: base + delta + removed ids (version 1 directories read as base-only)
+# 2: base + delta + removed ids (version 1 directories read as base-only). The checksums (files, block_files) were
+# added to version 2 compatibly: older readers ignore them, and manifests without them open with nothing to verify.
+INDEX_FORMAT_VERSION = 2
 
 
 @dataclass
@@ -66,6 +68,11 @@ class IndexManifest:
     removed_count: int = 0  # base ids in removed.npy (removed since the base)
     base_generation: str = ""  # the generation whose build or compaction made the base
     last_update: dict = field(default_factory=dict)  # added, updated, removed, unchanged by the run that made it
+    # {"bytes", "sha256"} of every data file, by its path in the generation folder (layout.GENERATION_FILES), and
+    # of each file of its vector blocks, by its name in vectors/: what indexer.integrity checks. Empty in
+    # manifests written before they were recorded (same format version: older readers ignore the fields).
+    files: dict = field(default_factory=dict)
+    block_files: dict = field(default_factory=dict)
     library_versions: dict = field(default_factory=dict)  # faiss, lmdb, onnxruntime, numpy
     format: str = INDEX_FORMAT
     format_version: int = INDEX_FORMAT_VERSION

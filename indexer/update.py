@@ -57,11 +57,13 @@ def link_base(prev: GenerationPaths, staging: GenerationPaths) -> None:
 
 
 def open_delta_store(prev: GenerationPaths, staging: GenerationPaths) -> MetadataStore:
-    """The new generation's metadata, writable: the shared base under a copy of the predecessor's delta."""
+    """The new generation's metadata, writable: the shared base under a copy of the predecessor's delta. The
+    base is read through the predecessor's path (the same file as the new generation's link), so that an error
+    in it names a file that stays, not the staging folder."""
     with output_errors(staging.delta_meta):
         if prev.delta_meta.is_dir():
             copy_store(prev.delta_meta, staging.delta_meta)
-    return MetadataStore(staging.meta, readonly=False, delta=staging.delta_meta)
+    return MetadataStore(prev.meta, readonly=False, delta=staging.delta_meta)
 
 
 def _new_delta(prev: GenerationPaths, d: int) -> faiss.Index:
@@ -158,22 +160,23 @@ def read_trained(gen: GenerationPaths) -> faiss.Index | None:
     return read_index(gen.trained) if gen.trained.is_file() else None
 
 
-def compact_blocks(layout: IndexLayout, names: list[str], live_ids: np.ndarray, name: str, dtype) -> list[str]:
+def compact_blocks(layout: IndexLayout, names: list[str], live_ids: np.ndarray, name: str, dtype
+                   ) -> tuple[list[str], dict[str, dict]]:
     """The blocks a compacted generation uses: ``names`` as they are, or one new block ``name`` holding only
     the live rows when there are more than ``MAX_BLOCKS`` of them, over ``MAX_DEAD_FRACTION`` dead rows, or
-    rows of another dtype."""
+    rows of another dtype; and the records of a new block's files (``{}`` when none was written)."""
     if not names:
-        return []
+        return [], {}
     rows = block_rows(layout, names)
     dtypes = {open_block(layout, b)[1].dtype for b in names}
     dead = rows - len(live_ids)
     if len(names) <= MAX_BLOCKS and dead <= MAX_DEAD_FRACTION * max(rows, 1) and dtypes <= {np.dtype(dtype)}:
-        return list(names)
+        return list(names), {}
     LOG.info("merging %d vector blocks (%d rows, %d dead) into %s", len(names), rows, dead, name)
     with BlockWriter(layout, name, len(live_ids), _dim(layout, names), dtype) as writer:
         for ids, xb in live_blocks(layout, names, live_ids)():
             writer.extend(ids, xb)
-    return [name]
+    return [name], writer.records
 
 
 def _dim(layout: IndexLayout, names: list[str]) -> int:

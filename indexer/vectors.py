@@ -12,6 +12,7 @@ with one binary search.
 """
 from __future__ import annotations
 
+import hashlib
 import io
 from pathlib import Path
 from typing import Callable, Iterator
@@ -41,12 +42,15 @@ class BlockWriter:
     is checked before the first row, so a disk that cannot hold it fails at once.
 
     Use as a context manager: both files appear under their final names, atomically, only when the block
-    ends without an error and all ``n`` rows were appended.
+    ends without an error and all ``n`` rows were appended. Then ``records`` holds their ``{"bytes",
+    "sha256"}`` by file name (for the manifest's ``block_files``), the rows' hashed as they were written.
     """
 
     def __init__(self, layout: IndexLayout, name: str, n: int, d: int, dtype=np.float32):
         self.ids_path, self.vec_path = layout.vector_block(name)
         self.n, self.d, self.pos, self.dtype = n, d, 0, np.dtype(dtype)
+        self.records: dict[str, dict] = {}
+        self._sha256 = hashlib.sha256()
         with output_errors(layout.vectors):
             layout.vectors.mkdir(parents=True, exist_ok=True)
 
@@ -64,6 +68,7 @@ class BlockWriter:
             with output_errors(self.vec_path):
                 self._file = open(tmp, "wb")
                 self._file.write(header.getvalue())
+                self._sha256.update(header.getvalue())
         except BaseException as exc:
             self._vec_file.__exit__(type(exc), exc, exc.__traceback__)
             raise
@@ -73,8 +78,10 @@ class BlockWriter:
         rows = np.ascontiguousarray(vectors, dtype=self.dtype)
         if rows.ndim != 2 or rows.shape[1] != self.d:
             raise IndexBuildError(f"vector block {self.vec_path.name} takes [m, {self.d}] rows, got {rows.shape}")
+        data = memoryview(rows).cast("B")
         with output_errors(self.vec_path):
-            self._file.write(memoryview(rows).cast("B"))
+            self._file.write(data)
+        self._sha256.update(data)
 
     def append(self, item_id: int, vector: np.ndarray) -> None:
         self.extend(np.asarray([item_id], dtype=np.int64), np.asarray(vector).reshape(1, -1))
@@ -104,8 +111,13 @@ class BlockWriter:
                 raise exc
             return False
         self._vec_file.__exit__(None, None, None)  # fsync + rename
+        ids = io.BytesIO()
+        np.save(ids, self.ids)
         with atomic_write(self.ids_path) as f:  # after the vectors: a block is complete when its ids exist
-            np.save(f, self.ids)
+            f.write(ids.getvalue())
+        self.records = {
+            self.vec_path.name: {"bytes": self.vec_path.stat().st_size, "sha256": self._sha256.hexdigest()},
+            self.ids_path.name: {"bytes": ids.tell(), "sha256": hashlib.sha256(ids.getvalue()).hexdigest()}}
         return False
 
 

@@ -12,6 +12,7 @@ exactly what they answered before the damage.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -158,6 +159,11 @@ class Case:
     damage: Callable[[Path], None]
     named: str                     # what the error lines must name
     id: str
+    search: frozenset              # the return codes `moco search` may end with
+    update: frozenset              # ... and the update (`moco index --verify` always refuses: 4)
+
+
+REFUSED, ANSWERS, EITHER = frozenset({4}), frozenset({0}), frozenset({0, 4})
 
 
 def _current(content: bytes | None) -> Callable[[Path], None]:
@@ -169,17 +175,30 @@ def _current(content: bytes | None) -> Callable[[Path], None]:
     return damage
 
 
-CURRENT_CASES = [Case("CURRENT", _current(content), "CURRENT", f"CURRENT-{kind}") for kind, content in (
-    ("deleted", None), ("emptied", b""), ("garbage", b"\x00\xffnot a name\n"), ("dotdot", b"../..\n"),
-    ("absent-generation", b"g000007\n"))]
-GENERATION_FILES = {  # file of the live generation -> what an error about it must name
-    "manifest.json": "manifest.json", "vectors.faiss": "vectors.faiss", "delta.faiss": "delta.faiss",
-    "removed.npy": "removed.npy", "meta.lmdb/data.mdb": "meta.lmdb", "delta.lmdb/data.mdb": "delta.lmdb",
-    "encoder.onnx": "encoder.onnx"}
-BLOCK_FILES = ("g000001.vec.npy", "g000002.ids.npy")  # the base's rows, the ids of the rows the update added
-FILE_CASES = [Case(f"generations/{LIVE}/{name}", damage, named, f"{name}-{kind}")
-              for name, named in GENERATION_FILES.items() for kind, damage in DAMAGES.items()]
-BLOCK_CASES = [Case(f"vectors/{name}", damage, name.split(".")[0], f"{name}-{kind}")
+CURRENT_CASES = [Case("CURRENT", _current(content), "CURRENT", f"CURRENT-{kind}", REFUSED, REFUSED)
+                 for kind, content in (("deleted", None), ("emptied", b""), ("garbage", b"\x00\xffnot a name\n"),
+                                       ("dotdot", b"../..\n"), ("absent-generation", b"g000007\n"))]
+SIZE_OR_HEADER = ("truncated", "emptied", "deleted", "garbled-head")  # found by every open
+GENERATION_FILES = {  # file of the live generation -> (what an error about it must names, its search, its update)
+    "manifest.json": ("manifest.json", lambda kind: (REFUSED, REFUSED)),
+    # the base, shared with the predecessor: its size and headers are checked at every open, its bytes by
+    # --verify and compactions; a search may answer over damage inside it, but only with scores in [-1, 1]
+    "vectors.faiss": ("vectors.faiss", lambda kind: (REFUSED, REFUSED) if kind in SIZE_OR_HEADER else (EITHER, EITHER)),
+    "meta.lmdb/data.mdb": ("meta.lmdb", lambda kind: (REFUSED, REFUSED) if kind in SIZE_OR_HEADER else (EITHER, EITHER)),
+    # the delta layer: what an update reads and copies, hashed by every update
+    "delta.faiss": ("delta.faiss", lambda kind: (REFUSED if kind in SIZE_OR_HEADER else EITHER, REFUSED)),
+    "removed.npy": ("removed.npy", lambda kind: (REFUSED if kind in SIZE_OR_HEADER else EITHER, REFUSED)),
+    "delta.lmdb/data.mdb": ("delta.lmdb", lambda kind: (REFUSED if kind in SIZE_OR_HEADER else EITHER, REFUSED)),
+    # its sha256 is checked at every open; an update copies --model, whose sha256 it knows, instead
+    "encoder.onnx": ("encoder.onnx", lambda kind: (REFUSED, ANSWERS)),
+}
+# the base's rows and the ids of the rows the update added: a flat index searches without them; an update
+# carries them forward (their sizes checked), a compaction and --verify hash them
+BLOCK_FILES = ("g000001.vec.npy", "g000002.ids.npy")
+FILE_CASES = [Case(f"generations/{LIVE}/{name}", damage, named, f"{name}-{kind}", *expect(kind))
+              for name, (named, expect) in GENERATION_FILES.items() for kind, damage in DAMAGES.items()]
+BLOCK_CASES = [Case(f"vectors/{name}", damage, name.split(".")[0], f"{name}-{kind}", ANSWERS,
+                    REFUSED if kind in ("truncated", "emptied", "deleted") else ANSWERS)
                for name in BLOCK_FILES for kind, damage in DAMAGES.items()]
 CASES = CURRENT_CASES + FILE_CASES + BLOCK_CASES
 
@@ -195,28 +214,57 @@ def _copy_index(src: Path, dst: Path, case: Case) -> None:
     shutil.copytree(src, dst, copy_function=copy)
 
 
+def _commands(pristine, index: Path) -> list[tuple[str, list]]:
+    return [("search", ["search", index, pristine.query, "-k", "3", "--json"]),
+            ("verify", ["index", "--verify", "--out", index]),
+            ("update", ["index", pristine.images, "--model", pristine.encoder, "--out", index, "--workers", "0",
+                        "--no-progress"])]
+
+
+@pytest.fixture(scope="module")
+def answers(pristine, tmp_path_factory):
+    """What the three commands answer on the undamaged index (a copy: the update changes it)."""
+    work = tmp_path_factory.mktemp("undamaged")
+    shutil.copytree(pristine.index, work / "index")
+    results = run_commands(_commands(pristine, work / "index"), work)
+    assert [results[name]["rc"] for name in ("search", "verify", "update")] == [0, 0, 0], results
+    return results
+
+
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
-def test_damaged_index__one_line_errors_and_nothing_lost(case, pristine, tmp_path):
+def test_damaged_index__one_line_errors_and_nothing_lost(case, pristine, answers, tmp_path):
+    from contracts.errors import ArtifactError
+    from indexer.integrity import verify_index_dir
+
     index = tmp_path / "index"
     _copy_index(pristine.index, index, case)
     case.damage(index / case.target)
     damaged = (index / case.target).read_bytes() if (index / case.target).exists() else None
-    results = run_commands([
-        ("search", ["search", index, pristine.query, "-k", "3", "--json"]),
-        ("update", ["index", pristine.images, "--model", pristine.encoder, "--out", index, "--workers", "0",
-                    "--no-progress"]),
-    ], tmp_path)
-    for name, result in results.items():
-        error = check_one_line(name, result)
-        if result["rc"] != 0:
-            assert result["rc"] == 4 and case.named in error, f"{name}: {error}"
+    results = run_commands(_commands(pristine, index), tmp_path)
+    errors = {name: check_one_line(name, result) for name, result in results.items()}
+    for name, expected in (("search", case.search), ("verify", REFUSED), ("update", case.update)):
+        assert results[name]["rc"] in expected, f"{name}: rc {results[name]['rc']}, expected {set(expected)}: " \
+                                                 f"{errors[name]}"
+        if results[name]["rc"]:
+            assert case.named in errors[name], f"{name}: {errors[name]}"
     if case in CURRENT_CASES:
-        assert results["search"]["rc"] == 4 and results["update"]["rc"] == 4
-        assert "g000001, g000002" in results["search"]["stderr"] and "--rebuild" in results["search"]["stderr"]
-    # nothing lost: the refused update changed nothing, and the restored index answers as before
-    if results["update"]["rc"] != 0:
+        assert "g000001, g000002" in errors["search"] and "--rebuild" in errors["search"]
+    if case.search == ANSWERS:  # a file the search does not read: the same answer
+        assert json.loads(results["search"]["stdout"]) == json.loads(answers["search"]["stdout"])
+    if results["update"]["rc"] == 0:  # it published a generation that opens, and carried no damage in silence
+        with IndexDirectory(index, "g000003") as d:
+            assert d.index.ntotal == d.manifest.count
+        if case.target.endswith("encoder.onnx"):  # the damaged copy was replaced by --model's bytes
+            assert (index / "generations" / "g000003" / "encoder.onnx").read_bytes() == pristine.encoder.read_bytes()
+        else:  # its record is the undamaged file's, so --verify still finds the damage it shares
+            with pytest.raises(ArtifactError, match=re.escape(case.named)):
+                verify_index_dir(index)
+    else:  # nothing lost: the refused update changed nothing
         assert sorted(p.name for p in (index / "generations").iterdir()) == [PREVIOUS, LIVE]
         assert ((index / case.target).read_bytes() if (index / case.target).exists() else None) == damaged
+        assert not (index / "work").exists() or case.named != "CURRENT"
+    # ... and once the file is restored, both generations (the previous one where a publish kept it) answer
+    # exactly as before
     shutil.copy2(pristine.index / case.target, index / case.target)
     for generation in (PREVIOUS, LIVE):
         if (index / "generations" / generation).is_dir():
@@ -348,3 +396,155 @@ def test_disk_full__a_small_tmpfs_at_every_fill_level_gives_one_line_never_a_sig
         assert proc.returncode == 0 or "disk full" in error or "cannot write" in error, error
         outcomes.append(proc.returncode)
     assert outcomes.count(5) >= 4, outcomes
+
+
+# -- damage the checks at open cannot see: scores, compactions, --verify ---------------------------------------
+def _rewrite_base(index: Path, change: Callable) -> None:
+    """Rewrite the live base's vectors.faiss in place with ``change(codes [n, d] float32, ids [n] int64)`` applied:
+    the same size, other bytes (what damage inside the file looks like to every check but a hash)."""
+    import faiss
+
+    path = index / "generations" / LIVE / "vectors.faiss"
+    size = path.stat().st_size
+    base = faiss.read_index(str(path))
+    inner = faiss.downcast_index(base.index)
+    codes = faiss.vector_to_array(inner.codes).view(np.float32).reshape(base.ntotal, base.d).copy()
+    ids = faiss.vector_to_array(base.id_map).copy()
+    change(codes, ids)
+    faiss.copy_array_to_vector(codes.view(np.uint8).ravel(), inner.codes)
+    faiss.copy_array_to_vector(ids, base.id_map)
+    faiss.write_index(base, str(path))
+    assert path.stat().st_size == size
+
+
+def _scaled(value: float):
+    def change(codes, ids):
+        codes[ids == 1] = value  # item 1: every query's best match, at a score of ~1e36 (or NaN)
+    return change
+
+
+def _foreign_id(codes, ids):
+    ids[ids == 1] = 10 ** 12  # an id no run ever gave out
+
+
+@pytest.mark.parametrize("change, message", [(_scaled(1e35), "at a score of"),
+                                             (_foreign_id, "the id 1000000000000, which it never gave out")],
+                         ids=["score-1e36", "foreign-id"])
+def test_engine__refuses_a_result_only_damage_makes_and_logs_it_once(change, message, pristine, tmp_path, caplog):
+    from contracts.errors import ArtifactError
+    from serve.engine import EngineConfig, SearchEngine
+
+    index = tmp_path / "index"
+    shutil.copytree(pristine.index, index)
+    _rewrite_base(index, change)
+    with SearchEngine(index, EngineConfig(device="cpu", threads=1, poll_seconds=0)) as engine:  # sizes match
+        for _ in range(2):
+            with pytest.raises(ArtifactError, match=f"{message}.*moco index --verify"):
+                engine.search([pristine.query], k=3)
+        with pytest.raises(ArtifactError, match=message):
+            engine.search_by_id(0, k=3)
+        with pytest.raises(ArtifactError, match="at a score of nan"):  # FAISS drops NaN codes; re-ranking may not
+            engine._current._check_results(np.array([[np.nan]], dtype=np.float32), np.array([[0]]))
+    assert [r.levelname for r in caplog.records if "refused a search result" in r.getMessage()] == ["ERROR"]
+
+
+def test_api__a_damaged_result_answers_409_in_one_line(pristine, tmp_path):
+    import httpx
+
+    from app.server import make_app
+    from serve.engine import EngineConfig, SearchEngine
+    from tests._serve_helpers import RunningServer
+
+    index = tmp_path / "index"
+    shutil.copytree(pristine.index, index)
+    _rewrite_base(index, _scaled(1e35))
+    with SearchEngine(index, EngineConfig(device="cpu", threads=1, poll_seconds=0)) as engine:
+        server = RunningServer(make_app(engine, ui=False))
+        try:
+            r = httpx.post(server.url + "/api/search", files={"image": ("q.png", pristine.query.read_bytes())},
+                           params={"k": 3}, timeout=30)
+            assert r.status_code == 409 and "outside [-1, 1]" in r.json()["error"] and "\n" not in r.json()["error"]
+            assert httpx.get(server.url + "/api/health", timeout=10).status_code == 200  # and it still serves
+        finally:
+            server.stop()
+
+
+def test_compaction__over_a_damaged_vector_block_is_refused_and_publishes_nothing(tmp_path):
+    from contracts.errors import ArtifactError
+
+    cfg, emb, out = _synthetic_index(tmp_path)
+    block = out / "vectors" / "g000001.vec.npy"
+    _garble(lambda n: n // 2)(block)  # same size: only its sha256 tells (the update itself checks sizes)
+    with pytest.raises(ArtifactError, match=r"g000001\.vec\.npy is damaged: its sha256 is .*rebuild"):
+        build_index_dir(dataclasses.replace(cfg, compact="now"), embedder=emb)
+    assert (out / "CURRENT").read_text() == "g000002\n"  # the update published; its compaction did not
+    assert sorted(p.name for p in (out / "generations").iterdir()) == [PREVIOUS, LIVE]
+    with IndexDirectory.open(out) as d:
+        assert d.index.ntotal == d.manifest.count == 250
+
+
+def test_verify__before_an_update_finds_damage_only_a_hash_sees(tmp_path):
+    from contracts.errors import ArtifactError
+
+    cfg, emb, out = _synthetic_index(tmp_path)
+    _garble(lambda n: n // 2)(out / "generations" / PREVIOUS / "vectors.faiss")
+    with pytest.raises(ArtifactError, match=r"vectors\.faiss is damaged"):
+        build_index_dir(dataclasses.replace(cfg, verify=True), embedder=emb)
+    _assert_untouched(out)
+
+
+def test_manifest__version_2_without_checksums_still_opens_verifies_and_updates(pristine, tmp_path):
+    """A generation written before checksums were recorded: it opens and serves unverified, --verify says so,
+    and the next update records them (hashing the shared base once)."""
+    from indexer.integrity import verify_index_dir
+
+    index = tmp_path / "index"
+    shutil.copytree(pristine.index, index)
+    for generation in (PREVIOUS, LIVE):
+        path = index / "generations" / generation / "manifest.json"
+        raw = json.loads(path.read_text())
+        del raw["files"], raw["block_files"]
+        assert raw["format_version"] == 2
+        path.write_text(json.dumps(raw))
+    assert snapshot(index, LIVE) == pristine.snapshots[LIVE]
+    assert not verify_index_dir(index).recorded
+    results = run_commands([("verify", ["index", "--verify", "--out", index]),
+                            ("update", ["index", pristine.images, "--model", pristine.encoder, "--out", index,
+                                        "--workers", "0", "--no-progress"])], tmp_path)
+    assert results["verify"]["rc"] == 0 and "records no checksums" in results["verify"]["stdout"]
+    assert results["update"]["rc"] == 0, results["update"]["stderr"]
+    verified = verify_index_dir(index)
+    assert verified.generation == "g000003" and verified.recorded and verified.checked.hashed == 10
+
+
+def test_serve__refuses_to_start_on_a_damaged_index_in_one_line(pristine, tmp_path):
+    """With a truncated delta.lmdb the server used to start and die on its first search (SIGBUS)."""
+    index = tmp_path / "index"
+    shutil.copytree(pristine.index, index)
+    DAMAGES["truncated"](index / "generations" / LIVE / "delta.lmdb" / "data.mdb")
+    for workers in ("1", "2"):
+        proc = subprocess.run([sys.executable, "-m", "app.cli", "serve", str(index), "--port", "0", "--workers",
+                               workers, "--device", "cpu", "--no-ui"], cwd=REPO, capture_output=True, text=True,
+                              timeout=60)
+        error = check_one_line(f"serve --workers {workers}", {"rc": proc.returncode, "stderr": proc.stderr})
+        assert proc.returncode == 4 and "delta.lmdb/data.mdb has" in error and "(truncated or replaced)" in error
+
+
+def test_engine__keeps_serving_when_a_damaged_generation_is_published_and_says_so_once(pristine, tmp_path, caplog):
+    from serve.engine import EngineConfig, SearchEngine
+
+    index = tmp_path / "index"
+    shutil.copytree(pristine.index, index)
+    with SearchEngine(index, EngineConfig(device="cpu", threads=1, poll_seconds=0)) as engine:
+        before = engine.search([pristine.query], k=3)[0].hits
+        shutil.copytree(index / "generations" / LIVE, index / "generations" / "g000003")
+        DAMAGES["truncated"](index / "generations" / "g000003" / "delta.lmdb" / "data.mdb")
+        (index / "CURRENT").write_text("g000003\n")
+        assert not engine.refresh() and not engine.refresh()
+        assert engine.generation == LIVE and engine.search([pristine.query], k=3)[0].hits == before
+        (index / "CURRENT").write_text("")
+        assert not engine.refresh() and not engine.refresh()
+        assert engine.search([pristine.query], k=3)[0].hits == before
+    logged = [r.getMessage() for r in caplog.records if r.levelname in ("WARNING", "ERROR")]
+    assert len([m for m in logged if "not switching to generation g000003" in m]) == 1
+    assert len([m for m in logged if "CURRENT is empty" in m]) == 1
