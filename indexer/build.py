@@ -116,7 +116,7 @@ class IndexConfig:
     compact: str = "auto"               # auto (past 5% of changes), now, never
     changed_list: str | None = None     # file of relative paths to look at instead of rescanning the folder
     rank_timeout: float = DEFAULT_TIMEOUT_S  # rank 0 gives up on a rank without progress for this long
-    verify: bool = False                # hash every file of the live generation before updating it (not just sizes)
+    verify: bool = False                # hash every file of the live generation before the update, not just sizes
 
     def __post_init__(self):
         if self.batch_size < 1:
@@ -274,9 +274,9 @@ def _live_generation(layout: IndexLayout, rebuild: bool) -> str | None:
             raise layout.damaged_pointer(f"names {live}, which is not there")
         return live
     except ArtifactError as exc:
-        names = layout.generation_names()
         if not rebuild:
             raise
+        names = layout.generation_names()
         LOG.warning("%s; --rebuild: starting over after %s", exc, names[-1] if names else "nothing")
         return names[-1] if names else None
 
@@ -637,8 +637,7 @@ def _duplicate_change(added: list[dict], removed: list[tuple[dict, bool]]) -> in
 
 def _compact(run: _Run, source: str, t_start: float, skipped_list: list[dict], counts: dict) -> IndexResult:
     """Publish the live content of generation ``source`` as a new base (see ``indexer.update``)."""
-    cfg, layout, encoder = run.cfg, run.layout, run.encoder
-    with _staging(layout) as staging:
+    with _staging(run.layout) as staging:
         return _compact_into(run, source, staging, t_start, skipped_list, counts)
 
 

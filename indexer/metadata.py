@@ -75,6 +75,17 @@ _DAMAGE = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.InvalidError, lmdb.
            lmdb.BadTxnError)
 
 
+def _meta_page(f, offset: int) -> tuple | None:
+    """``(magic, version, mapsize, page size, last page, txnid)`` of the meta page at ``offset``, or ``None``
+    where there is none (short file, wrong magic)."""
+    f.seek(offset)
+    page = f.read(16 + _META.size)
+    if len(page) < 16 + _META.size:
+        return None
+    meta = _META.unpack_from(page, 16)
+    return meta if meta[0] == _META_MAGIC else None
+
+
 def check_data_file(path: Path) -> None:
     """Refuse an LMDB data file that does not hold the pages its header says it does, before it is mapped.
 
@@ -87,24 +98,18 @@ def check_data_file(path: Path) -> None:
     try:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
-            head = f.read(16 + _META.size)
-            magic, _, _, page_size, _, _ = _META.unpack_from(head, 16) if len(head) == 16 + _META.size else (0,) * 6
-            metas = []
-            if magic == _META_MAGIC and 512 <= page_size <= 1 << 16:
-                metas.append(_META.unpack_from(head, 16))
-                f.seek(page_size)
-                second = f.read(16 + _META.size)
-                if len(second) == 16 + _META.size and _META.unpack_from(second, 16)[0] == _META_MAGIC:
-                    metas.append(_META.unpack_from(second, 16))
+            first = _meta_page(f, 0)
+            page_size = first[3] if first is not None else 0
+            second = _meta_page(f, page_size) if 512 <= page_size <= 1 << 16 else None
     except FileNotFoundError:
         raise ArtifactError(f"metadata store not found: {path.parent}; rebuild with `moco index --rebuild`") from None
     except OSError as exc:
         raise ArtifactError(f"cannot read metadata store {path} ({exc.strerror or exc}); rebuild with "
                             "`moco index --rebuild`") from exc
-    if len(metas) < 2:
+    if second is None:
         state = "empty" if size == 0 else f"not an LMDB file or its header is damaged ({size:,} bytes)"
         raise ArtifactError(f"metadata store {path} is {state}; rebuild with `moco index --rebuild`")
-    _, _, _, page_size, last_page, _ = max(metas, key=lambda meta: meta[5])
+    _, _, _, page_size, last_page, _ = max(first, second, key=lambda meta: meta[5])
     needed = (last_page + 1) * page_size
     if size < needed:
         raise ArtifactError(f"metadata store {path} is truncated ({size:,} bytes, its header counts {needed:,}); "
@@ -283,9 +288,7 @@ def _reads(method):
     """Make a read of the store fail in one line: a damaged page (an LMDB error) or a value that is not our JSON
     becomes an ArtifactError naming the store (generators too: their errors come while they are iterated)."""
     def damaged(self, exc):
-        if isinstance(exc, ArtifactError):
-            return exc
-        return self.damaged(self.top_path if not self.layered else f"{self.path} or {self.top_path}", exc)
+        return exc if isinstance(exc, ArtifactError) else self.damaged(self.layers, exc)
 
     if inspect.isgeneratorfunction(method):
         @functools.wraps(method)
@@ -372,6 +375,11 @@ class MetadataStore:
         """The layer reads look in first, and writes go to."""
         return self.delta_path or self.path
 
+    @property
+    def layers(self) -> str:
+        """The store's layers, for a message that cannot tell which one is damaged."""
+        return f"{self.path} or {self.delta_path}" if self.layered else str(self.top_path)
+
     def damaged(self, where, exc: Exception) -> ArtifactError:
         """The one-line error for a damaged page or value of this store (``where``: the layer, when known)."""
         detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
@@ -422,11 +430,9 @@ class MetadataStore:
                 LOG.debug("LMDB map full; growing %s to %d MiB", self.delta_path or self.path, size >> 20)
                 self.env.set_mapsize(size)
             except _DAMAGE as exc:  # a damaged page of the store being updated (or of the base it reads)
-                raise self.damaged(self.top_path if not self.layered else f"{self.path} or {self.top_path}",
-                                   exc) from exc
+                raise self.damaged(self.layers, exc) from exc
             except (ValueError, TypeError, KeyError) as exc:  # a value in it that is not our JSON
-                raise self.damaged(self.top_path if not self.layered else f"{self.path} or {self.top_path}",
-                                   exc) from exc
+                raise self.damaged(self.layers, exc) from exc
             except lmdb.Error as exc:  # I/O errors: a full disk is the usual one
                 raise OutputError(f"cannot write metadata store {self.delta_path or self.path} ({exc}); check free "
                                   "space and rerun the same command") from exc

@@ -179,12 +179,12 @@ CURRENT_CASES = [Case("CURRENT", _current(content), "CURRENT", f"CURRENT-{kind}"
                  for kind, content in (("deleted", None), ("emptied", b""), ("garbage", b"\x00\xffnot a name\n"),
                                        ("dotdot", b"../..\n"), ("absent-generation", b"g000007\n"))]
 SIZE_OR_HEADER = ("truncated", "emptied", "deleted", "garbled-head")  # found by every open
-GENERATION_FILES = {  # file of the live generation -> (what an error about it must names, its search, its update)
+GENERATION_FILES = {  # file of the live generation -> (what an error about it must name, (search, update) codes)
     "manifest.json": ("manifest.json", lambda kind: (REFUSED, REFUSED)),
     # the base, shared with the predecessor: its size and headers are checked at every open, its bytes by
     # --verify and compactions; a search may answer over damage inside it, but only with scores in [-1, 1]
-    "vectors.faiss": ("vectors.faiss", lambda kind: (REFUSED, REFUSED) if kind in SIZE_OR_HEADER else (EITHER, EITHER)),
-    "meta.lmdb/data.mdb": ("meta.lmdb", lambda kind: (REFUSED, REFUSED) if kind in SIZE_OR_HEADER else (EITHER, EITHER)),
+    "vectors.faiss": ("vectors.faiss", lambda kind: (REFUSED,) * 2 if kind in SIZE_OR_HEADER else (EITHER,) * 2),
+    "meta.lmdb/data.mdb": ("meta.lmdb", lambda kind: (REFUSED,) * 2 if kind in SIZE_OR_HEADER else (EITHER,) * 2),
     # the delta layer: what an update reads and copies, hashed by every update
     "delta.faiss": ("delta.faiss", lambda kind: (REFUSED if kind in SIZE_OR_HEADER else EITHER, REFUSED)),
     "removed.npy": ("removed.npy", lambda kind: (REFUSED if kind in SIZE_OR_HEADER else EITHER, REFUSED)),
