@@ -548,3 +548,35 @@ def test_engine__keeps_serving_when_a_damaged_generation_is_published_and_says_s
     logged = [r.getMessage() for r in caplog.records if r.levelname in ("WARNING", "ERROR")]
     assert len([m for m in logged if "not switching to generation g000003" in m]) == 1
     assert len([m for m in logged if "CURRENT is empty" in m]) == 1
+
+
+@pytest.mark.parametrize("name", ["trained.faiss", "vectors.ivfdata"])
+def test_ivfpq_on_disk__its_trained_and_list_files_are_checked_too(name, tmp_path):
+    """The files only IVF indexes have: truncated, an open refuses them; garbled, --verify (and every update,
+    for the trained lists it copies) does."""
+    from contracts.errors import ArtifactError
+    from indexer.integrity import verify_index_dir
+    from tests.index_fixtures import SyntheticEmbedder, touch_files
+
+    data, out = tmp_path / "images", tmp_path / "index"
+    emb = SyntheticEmbedder(tmp_path / "model", d=32)
+    touch_files(data, _names(0, 600))
+    cfg = IndexConfig(str(data), str(emb.encoder.path), str(out), workers=0, progress=False, shard_size=256,
+                      index_type="ivfpq", max_index_memory=1000)
+    build_index_dir(cfg, embedder=emb)
+    path = out / "generations" / PREVIOUS / name
+    assert path.is_file() and verify_index_dir(out).checked.hashed == 7  # 5 files, the block's 2
+    pristine = path.read_bytes()
+    _garble(lambda n: n // 2)(path)
+    with pytest.raises(ArtifactError, match=f"{re.escape(name)} is damaged: its sha256"):
+        verify_index_dir(out)
+    if name == "trained.faiss":
+        touch_files(data, _names(600, 610))
+        with pytest.raises(ArtifactError, match=f"{re.escape(name)} is damaged"):
+            build_index_dir(cfg, embedder=emb)
+    path.write_bytes(pristine[: len(pristine) // 2])
+    with pytest.raises(ArtifactError, match=f"{re.escape(name)} has {len(pristine) // 2:,} bytes"):
+        IndexDirectory.open(out)
+    path.write_bytes(pristine)
+    with IndexDirectory.open(out) as d:
+        assert d.index.ntotal == 600
