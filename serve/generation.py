@@ -117,7 +117,7 @@ class ServedGeneration:
             if reuse is not None and model is None and reuse.sha256 == manifest.model_sha256:
                 encoder = reuse
             else:
-                if model is None:  # the index's own copy: damaged, not "another model", when it is not the one
+                if model is None:  # the index's own copy: refused (damaged, replaced) before ONNX Runtime parses it
                     check_encoder_copy(directory.encoder_path, manifest, str(index_dir))
                 encoder = OnnxEncoder(model if model is not None else directory.encoder_path, device=device,
                                       threads=threads, spin=spin)
