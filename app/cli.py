@@ -11,10 +11,10 @@ import importlib
 import logging
 import sys
 
-from contracts.errors import MocoError
+from moco_retrieval.contracts.errors import MocoError
 
 # One module per subcommand, each with ``register(subparsers)``; add new commands here.
-COMMAND_MODULES = ("app.cmd_train", "app.cmd_export", "app.cmd_eval", "app.cmd_index", "app.cmd_demo", "app.cmd_serve")
+COMMAND_MODULES = ("moco_retrieval.app.cmd_train", "moco_retrieval.app.cmd_export", "moco_retrieval.app.cmd_eval", "moco_retrieval.app.cmd_index", "moco_retrieval.app.cmd_demo", "moco_retrieval.app.cmd_serve")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -5,14 +5,14 @@ import argparse
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from app.demo import run_demo
+    from moco_retrieval.app.demo import run_demo
 
     run_demo(args.out, budget=args.time_budget, device=args.device, serve=args.serve, host=args.host, port=args.port)
     return 0
 
 
 def register(sub) -> None:
-    from app.demo import DEMO_EPOCHS
+    from moco_retrieval.app.demo import DEMO_EPOCHS
 
     p = sub.add_parser("demo", help="run the whole flow on generated example images",
                        description="Generate 1,600 labeled example images (8 pattern classes), train a ResNet-18 "

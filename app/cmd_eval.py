@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from contracts.knn import EVAL_KS, KNN_TEMPERATURE
+from moco_retrieval.contracts.knn import EVAL_KS, KNN_TEMPERATURE
 
 EPILOG_EVAL = """\
 examples:
@@ -24,10 +24,10 @@ and are written as JSON to --out (default: eval_<protocol>.json next to MODEL).
 def open_model(model: str, device: str, batch_size: int, workers: int):
     """An embedder for MODEL: the ONNX encoder for ``.onnx`` files, else the checkpoint's backbone."""
     if model.endswith(".onnx"):
-        from indexer.encoder import OnnxEncoder
+        from moco_retrieval.indexer.encoder import OnnxEncoder
 
         return OnnxEncoder(model, device=device)
-    from trainer.evaluate import CheckpointEmbedder
+    from moco_retrieval.trainer.evaluate import CheckpointEmbedder
 
     return CheckpointEmbedder(model, device=device, batch_size=batch_size, workers=workers)
 
@@ -38,7 +38,7 @@ def default_out(model: str, protocol: str) -> Path:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from trainer.evaluate import (
+    from moco_retrieval.trainer.evaluate import (
         LinearProbeConfig,
         evaluate,
         format_table,

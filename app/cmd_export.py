@@ -16,7 +16,7 @@ examples:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from trainer.export import export_encoder
+    from moco_retrieval.trainer.export import export_encoder
 
     result = export_encoder(args.checkpoint, args.out, fp16=args.fp16, opset=args.opset, verify=args.verify)
     meta = result.metadata

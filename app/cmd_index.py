@@ -108,8 +108,8 @@ def register(sub) -> None:
 
 
 def cmd_index(args: argparse.Namespace) -> int:
-    from contracts.errors import ConfigError
-    from indexer.build import IndexConfig, build_index_dir
+    from moco_retrieval.contracts.errors import ConfigError
+    from moco_retrieval.indexer.build import IndexConfig, build_index_dir
 
     logging.getLogger("faiss.loader").setLevel(logging.WARNING)
     if args.verify and args.image_dir is None and args.model is None:
@@ -138,7 +138,7 @@ def cmd_index(args: argparse.Namespace) -> int:
 
 def cmd_verify(out: str) -> int:
     """``moco index --verify --out INDEX_DIR``: check the live generation's files against their checksums."""
-    from indexer.integrity import verify_index_dir
+    from moco_retrieval.indexer.integrity import verify_index_dir
 
     result = verify_index_dir(out)
     checked = result.checked
@@ -157,7 +157,7 @@ def cmd_verify(out: str) -> int:
 
 def print_index_result(result) -> None:
     """The summary table of a ``moco index`` run (and the skipped files, names shown readably)."""
-    from contracts.filenames import display_name
+    from moco_retrieval.contracts.filenames import display_name
 
     t = result.timings
     state = "published now" if result.published else "unchanged, still live"

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from contracts.knn import KNN_K, KNN_TEMPERATURE, SEARCH_K
+from moco_retrieval.contracts.knn import KNN_K, KNN_TEMPERATURE, SEARCH_K
 
 EPILOG_SERVE = """\
 The page at / is the web app (upload, paste or webcam; click a result to search from it). The JSON API:
@@ -46,20 +46,20 @@ def _engine_config(args, poll_seconds: float, **extra):
     import logging
 
     logging.getLogger("faiss.loader").setLevel(logging.WARNING)  # its INFO lines list CPU variants it tried
-    from serve.engine import EngineConfig
+    from moco_retrieval.serve.engine import EngineConfig
 
     return EngineConfig(model=args.model, device=args.device, threads=args.threads, poll_seconds=poll_seconds,
                         **extra)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from app.server import check_port, serve_forever, serve_workers
-    from serve.engine import SearchEngine
+    from moco_retrieval.app.server import check_port, serve_forever, serve_workers
+    from moco_retrieval.serve.engine import SearchEngine
 
     check_port(args.host, args.port)  # before the (slower) engine start
     if args.workers != 1:
-        from contracts.errors import ConfigError
-        from indexer.encoder import available_cores
+        from moco_retrieval.contracts.errors import ConfigError
+        from moco_retrieval.indexer.encoder import available_cores
 
         if args.workers < 1:
             raise ConfigError(f"--workers must be at least 1, got {args.workers}")
@@ -86,9 +86,9 @@ def _check_index(index_dir: str, model: str | None) -> None:
     from pathlib import Path
     from types import SimpleNamespace
 
-    from indexer.encoder import read_encoder_metadata
-    from indexer.index_dir import IndexDirectory
-    from indexer.manifest import check_encoder_copy
+    from moco_retrieval.indexer.encoder import read_encoder_metadata
+    from moco_retrieval.indexer.index_dir import IndexDirectory
+    from moco_retrieval.indexer.manifest import check_encoder_copy
 
     with IndexDirectory.open(index_dir) as directory:
         path = Path(model) if model else directory.encoder_path
@@ -101,7 +101,7 @@ def _check_index(index_dir: str, model: str | None) -> None:
 
 
 def cmd_search(args: argparse.Namespace) -> int:
-    from serve.engine import SearchEngine
+    from moco_retrieval.serve.engine import SearchEngine
 
     with SearchEngine(args.index_dir, _engine_config(args, poll_seconds=0)) as engine:
         (res,) = engine.search([args.image], args.k)
@@ -109,7 +109,7 @@ def cmd_search(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"generation": res.generation, "image_root": str(root), "results": res.hits}, indent=2))
         return 0
-    from contracts.filenames import display_name
+    from moco_retrieval.contracts.filenames import display_name
 
     print(f"{len(res.hits)} nearest of {args.image} (paths relative to {root}):")
     print(f"{'rank':>4}  {'score':>6}  {'id':>6}  {'label':<16}  path")
@@ -120,7 +120,7 @@ def cmd_search(args: argparse.Namespace) -> int:
 
 
 def cmd_classify(args: argparse.Namespace) -> int:
-    from serve.engine import SearchEngine
+    from moco_retrieval.serve.engine import SearchEngine
 
     with SearchEngine(args.index_dir, _engine_config(args, poll_seconds=0)) as engine:
         (res,) = engine.classify([args.image], args.k, args.temperature)

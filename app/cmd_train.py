@@ -34,9 +34,9 @@ examples:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from trainer import dist
-    from trainer.config import from_arguments
-    from trainer.train import train
+    from moco_retrieval.trainer import dist
+    from moco_retrieval.trainer.config import from_arguments
+    from moco_retrieval.trainer.train import train
 
     cfg = from_arguments(args, data_dir=args.data_dir, out_dir=args.out)
     result = train(cfg, resume=args.resume, stop_at_epoch=args.stop_at_epoch)
@@ -57,7 +57,7 @@ def _print_train_result(result) -> None:
 
 
 def register(sub) -> None:
-    from trainer.config import add_arguments
+    from moco_retrieval.trainer.config import add_arguments
 
     p = sub.add_parser("train", help="train a MoCo encoder on a folder of unlabeled images",
                        description="Train a MoCo encoder on a folder of images (labels are not needed). "

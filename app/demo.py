@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from trainer.config import TrainConfig
-from trainer.demo_data import write_demo_dataset
+from moco_retrieval.trainer.config import TrainConfig
+from moco_retrieval.trainer.demo_data import write_demo_dataset
 
 DEMO_IMAGES_PER_CLASS = 200
 DEMO_IMAGE_SIZE = 32
@@ -29,7 +29,7 @@ def demo_train_config(out: Path, budget: str | None, device: str, epochs: int = 
 
 def run_demo(out: str | Path, budget: str | None = None, device: str = "auto", serve: bool = True,
              host: str = "127.0.0.1", port: int = 7860) -> None:
-    from trainer.train import train
+    from moco_retrieval.trainer.train import train
 
     out = Path(out)
     cfg = demo_train_config(out, budget, device)  # a bad --time-budget fails here, before any work
@@ -61,7 +61,7 @@ def knn_report(result) -> str:
 
 def export_demo_encoder(run_dir: Path, out: Path) -> Path:
     """Export the demo run's encoder to ``out/encoder.onnx`` (verified); returns the file."""
-    from trainer.export import export_encoder
+    from moco_retrieval.trainer.export import export_encoder
 
     return export_encoder(run_dir, out / "encoder.onnx").path
 
@@ -71,8 +71,8 @@ def index_demo_images(data: Path, encoder: Path, index_dir: Path, device: str) -
 
     Always a rebuild: every demo run exports a new encoder file (another sha256), which an update refuses.
     """
-    from app.cmd_index import print_index_result
-    from indexer.build import IndexConfig, build_index_dir
+    from moco_retrieval.app.cmd_index import print_index_result
+    from moco_retrieval.indexer.build import IndexConfig, build_index_dir
 
     device = "cuda" if device.startswith("cuda") else device
     print_index_result(build_index_dir(IndexConfig(str(data), str(encoder), str(index_dir), device=device,
@@ -81,8 +81,8 @@ def index_demo_images(data: Path, encoder: Path, index_dir: Path, device: str) -
 
 def serve_demo_index(index_dir: Path, device: str, host: str, port: int) -> None:
     """The last step: serve the demo index (web app + JSON API) until Ctrl-C; prints the URL."""
-    from app.server import check_port, serve_forever
-    from serve.engine import EngineConfig, SearchEngine
+    from moco_retrieval.app.server import check_port, serve_forever
+    from moco_retrieval.serve.engine import EngineConfig, SearchEngine
 
     check_port(host, port)
     with SearchEngine(index_dir, EngineConfig(device=device)) as engine:

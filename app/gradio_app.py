@@ -21,11 +21,11 @@ from pathlib import Path
 import gradio as gr
 from fastapi import FastAPI
 
-from contracts.atomic import atomic_write
-from contracts.errors import MocoError
-from contracts.filenames import display_name
-from contracts.knn import KNN_TEMPERATURE, SEARCH_K
-from serve.engine import SearchEngine, knn_vote
+from moco_retrieval.contracts.atomic import atomic_write
+from moco_retrieval.contracts.errors import MocoError
+from moco_retrieval.contracts.filenames import display_name
+from moco_retrieval.contracts.knn import KNN_TEMPERATURE, SEARCH_K
+from moco_retrieval.serve.engine import SearchEngine, knn_vote
 
 LOG = logging.getLogger(__name__)
 
@@ -194,7 +194,7 @@ def build_ui(engine: SearchEngine) -> gr.Blocks:
 def mount_ui(app: FastAPI, engine: SearchEngine, path: str = "/", max_file_size: int | None = None) -> FastAPI:
     """Mount the UI on ``app`` at ``path``. It serves no file of the image folder (see the module docstring);
     uploads over ``max_file_size`` bytes are refused (the API's upload limit, by default)."""
-    from serve.http import MAX_UPLOAD_BYTES
+    from moco_retrieval.serve.http import MAX_UPLOAD_BYTES
 
     return gr.mount_gradio_app(app, build_ui(engine), path=path, footer_links=["api"],
                                max_file_size=max_file_size or MAX_UPLOAD_BYTES)

@@ -20,15 +20,15 @@ import time
 
 from fastapi import FastAPI
 
-from contracts.errors import ConfigError
-from serve.engine import EngineConfig, SearchEngine
+from moco_retrieval.contracts.errors import ConfigError
+from moco_retrieval.serve.engine import EngineConfig, SearchEngine
 
 LOG = logging.getLogger(__name__)
 
 
 def make_app(engine: SearchEngine, ui: bool = True) -> FastAPI:
     """The FastAPI app for ``engine``: JSON API under ``/api``, OpenAPI page at ``/docs``, Gradio UI at ``/``."""
-    from serve.http import create_app
+    from moco_retrieval.serve.http import create_app
 
     app = create_app(engine)
     pid = str(os.getpid())
@@ -40,7 +40,7 @@ def make_app(engine: SearchEngine, ui: bool = True) -> FastAPI:
         return response
 
     if ui:
-        from app.gradio_app import mount_ui
+        from moco_retrieval.app.gradio_app import mount_ui
 
         app = mount_ui(app, engine)
     return app
@@ -137,7 +137,7 @@ def serve_workers(index_dir: str, config: EngineConfig, host: str = "127.0.0.1",
 
     threading.Thread(target=announce, name="moco-announce", daemon=True).start()
     try:
-        uvicorn.run("app.server:worker_app", factory=True, host=host, port=port, workers=workers,
+        uvicorn.run("moco_retrieval.app.server:worker_app", factory=True, host=host, port=port, workers=workers,
                     log_level="warning", timeout_graceful_shutdown=5)
     finally:
         stop.set()

@@ -26,11 +26,11 @@ import numpy as np
 import onnxruntime as ort
 import torch
 
-from indexer.encoder import OnnxEncoder, available_cores
-from trainer.checkpoint import CHECKPOINT_FORMAT, CHECKPOINT_VERSION, LAST, save_atomic
-from trainer.config import TrainConfig
-from trainer.export import EncoderGraph, export_encoder, load_backbone
-from trainer.variants import build_model
+from moco_retrieval.indexer.encoder import OnnxEncoder, available_cores
+from moco_retrieval.trainer.checkpoint import CHECKPOINT_FORMAT, CHECKPOINT_VERSION, LAST, save_atomic
+from moco_retrieval.trainer.config import TrainConfig
+from moco_retrieval.trainer.export import EncoderGraph, export_encoder, load_backbone
+from moco_retrieval.trainer.variants import build_model
 
 
 def random_run(run_dir: Path, moco_version: int, arch: str, image_size: int) -> Path:

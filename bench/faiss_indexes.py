@@ -22,7 +22,7 @@ from pathlib import Path
 import faiss
 import numpy as np
 
-from indexer.faiss_index import build_index, choose_factory, exact_knn, recall_at_k
+from moco_retrieval.indexer.faiss_index import build_index, choose_factory, exact_knn, recall_at_k
 
 OUT = Path(__file__).resolve().parent / "results"
 

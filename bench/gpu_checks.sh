@@ -43,22 +43,22 @@ step() {  # step NAME SECONDS CMD...: run with a time limit, log its outcome
 
 step throughput_r50_v2 170 $PY bench/train_throughput.py --moco-version 2 --arch resnet50 $TP --out "$OUT/train_throughput_r50_v2.json"
 step throughput_vits_v3 170 $PY bench/train_throughput.py --moco-version 3 --arch vit_small $TP --out "$OUT/train_throughput_vits_v3.json"
-step e2e_data 120 $PY -c "from trainer.demo_data import write_demo_dataset as w; w('/tmp/gpu_e2e_data', per_class=$E2E_PER_CLASS, size=$E2E_SIZE)"
+step e2e_data 120 $PY -c "from moco_retrieval.trainer.demo_data import write_demo_dataset as w; w('/tmp/gpu_e2e_data', per_class=$E2E_PER_CLASS, size=$E2E_SIZE)"
 step throughput_r50_v2_e2e 300 $PY bench/train_throughput.py --data /tmp/gpu_e2e_data --moco-version 2 --arch resnet50 $E2E \
   --out "$OUT/train_throughput_r50_v2_e2e.json"
 
 SMOKE=/tmp/gpu_smoke
 rm -rf "$SMOKE"
 (
-  step smoke_data 60 $PY -c "from trainer.demo_data import write_demo_dataset as w; w('$SMOKE/data', per_class=40, size=$SMOKE_SIZE)"
-  step smoke_train_amp 120 $PY -m app.cli train "$SMOKE/data" --out "$SMOKE/run" --moco-version 3 --arch resnet18 \
+  step smoke_data 60 $PY -c "from moco_retrieval.trainer.demo_data import write_demo_dataset as w; w('$SMOKE/data', per_class=40, size=$SMOKE_SIZE)"
+  step smoke_train_amp 120 $PY -m moco_retrieval train "$SMOKE/data" --out "$SMOKE/run" --moco-version 3 --arch resnet18 \
     --image-size $SMOKE_SIZE --batch-size 64 --epochs $SMOKE_EPOCHS --workers 2 --device $DEV
-  step smoke_resume_noop 60 $PY -m app.cli train "$SMOKE/data" --out "$SMOKE/run" --moco-version 3 --arch resnet18 \
+  step smoke_resume_noop 60 $PY -m moco_retrieval train "$SMOKE/data" --out "$SMOKE/run" --moco-version 3 --arch resnet18 \
     --image-size $SMOKE_SIZE --batch-size 64 --epochs $SMOKE_EPOCHS --workers 2 --device $DEV
-  step smoke_export 120 $PY -m app.cli export "$SMOKE/run" --out "$SMOKE/model.onnx"
-  step smoke_eval_onnx 120 $PY -m app.cli eval knn --train "$SMOKE/data" --test "$SMOKE/data" "$SMOKE/model.onnx"
-  step smoke_eval_ckpt 120 $PY -m app.cli eval knn --train "$SMOKE/data" --test "$SMOKE/data" "$SMOKE/run" --device $DEV
-  step smoke_train_vit_compile 200 $PY -m app.cli train "$SMOKE/data" --out "$SMOKE/run_vit" --moco-version 3 \
+  step smoke_export 120 $PY -m moco_retrieval export "$SMOKE/run" --out "$SMOKE/model.onnx"
+  step smoke_eval_onnx 120 $PY -m moco_retrieval eval knn --train "$SMOKE/data" --test "$SMOKE/data" "$SMOKE/model.onnx"
+  step smoke_eval_ckpt 120 $PY -m moco_retrieval eval knn --train "$SMOKE/data" --test "$SMOKE/data" "$SMOKE/run" --device $DEV
+  step smoke_train_vit_compile 200 $PY -m moco_retrieval train "$SMOKE/data" --out "$SMOKE/run_vit" --moco-version 3 \
     --arch vit_tiny --image-size $SMOKE_SIZE --batch-size 64 --epochs 1 --workers 2 --device $DEV --compile
 ) &
 SMOKE_PID=$!

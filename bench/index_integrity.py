@@ -46,10 +46,10 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=None, help="JSON file to write the row to")
     args = p.parse_args()
 
-    from indexer import integrity
-    from indexer.index_dir import IndexDirectory
-    from indexer.layout import IndexLayout
-    from indexer.manifest import IndexManifest
+    from moco_retrieval.indexer import integrity
+    from moco_retrieval.indexer.index_dir import IndexDirectory
+    from moco_retrieval.indexer.layout import IndexLayout
+    from moco_retrieval.indexer.manifest import IndexManifest
 
     index = args.work.absolute() / "index"
     layout = IndexLayout(index)
@@ -66,7 +66,7 @@ def main() -> None:
     verified = integrity.verify_index_dir(index)
     verify = _median(lambda: integrity.verify_index_dir(index), max(1, args.repeat // 5))
     tic = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "app.cli", "index", "--verify", "--out", str(index)], cwd=REPO,
+    proc = subprocess.run([sys.executable, "-m", "moco_retrieval", "index", "--verify", "--out", str(index)], cwd=REPO,
                           capture_output=True, text=True, check=True)
     verify_cli = time.perf_counter() - tic
     row = {

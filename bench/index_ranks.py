@@ -38,9 +38,9 @@ ENV = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
 
 
 def encoder_ceiling(model: Path, images: Path, count: int, batch_size: int) -> dict:
-    from contracts.images import walk_image_files
-    from indexer.decode import decode_files
-    from indexer.encoder import OnnxEncoder
+    from moco_retrieval.contracts.images import walk_image_files
+    from moco_retrieval.indexer.decode import decode_files
+    from moco_retrieval.indexer.encoder import OnnxEncoder
 
     encoder = OnnxEncoder(model, device="cpu")
     paths = [f.path for f in walk_image_files(images)][:count]
@@ -85,7 +85,7 @@ def main() -> None:
             from bench.index_scale import make_encoder
 
             model = make_encoder(work)
-        from contracts.images import walk_image_files
+        from moco_retrieval.contracts.images import walk_image_files
 
         count = len(walk_image_files(args.images))
         result = {"benchmark": "index_ranks", "machine": {"host": platform.node(), "cpus": os.cpu_count()},
@@ -94,15 +94,15 @@ def main() -> None:
         result["encoder_ceiling"] = encoder_ceiling(model, args.images, args.ceiling_images, args.batch_size)
         print("encoder", json.dumps(result["encoder_ceiling"]), flush=True)
         common = ["--model", str(model), "--device", "cpu", "--batch-size", str(args.batch_size), "--no-progress"]
-        one = [sys.executable, "-m", "app.cli", "index", str(args.images), "--out", str(work / "one"), *common]
+        one = [sys.executable, "-m", "moco_retrieval", "index", str(args.images), "--out", str(work / "one"), *common]
         result["one_rank"] = run_index(one, count)
         print("1 rank", json.dumps(result["one_rank"]), flush=True)
         many = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.ranks}",
-                "-m", "app.cli", "index", str(args.images), "--out", str(work / "many"), *common]
+                "-m", "moco_retrieval", "index", str(args.images), "--out", str(work / "many"), *common]
         result[f"{args.ranks}_ranks"] = run_index(many, count)
         print(f"{args.ranks} ranks", json.dumps(result[f"{args.ranks}_ranks"]), flush=True)
 
-        from indexer.index_dir import IndexDirectory
+        from moco_retrieval.indexer.index_dir import IndexDirectory
 
         with IndexDirectory.open(work / "one") as a, IndexDirectory.open(work / "many") as b:
             ids = a.index.ids()

@@ -78,7 +78,7 @@ class EncoderIdentity:
     """What the build needs to know about the model, read from a real encoder file (never run)."""
 
     def __init__(self, path: Path):
-        from indexer.encoder import read_encoder_metadata
+        from moco_retrieval.indexer.encoder import read_encoder_metadata
 
         self.path = Path(path)
         self.sha256 = hashlib.sha256(self.path.read_bytes()).hexdigest()
@@ -129,8 +129,7 @@ class SyntheticCorpus:
 
 def install_legacy(corpus: SyntheticCorpus) -> None:
     """Inject ``corpus`` into a pre-issue-12 ``indexer.build`` (it opened the encoder and embedded inline)."""
-    import indexer.build as build
-
+    import moco_retrieval.indexer.build as build
     build.OnnxEncoder = lambda path, device="auto", threads=None: corpus.encoder
     build._embed = lambda cfg, encoder, image_root, todo, shards: corpus.embed_into(todo, shards)
 
@@ -152,7 +151,7 @@ def _export(work: Path) -> None:
     import torch
 
     from tests._checkpoints import write_checkpoint
-    from trainer.export import export_encoder
+    from moco_retrieval.trainer.export import export_encoder
 
     torch.set_num_threads(1)
     run = write_checkpoint(None, work / "run", seed=0)
@@ -184,7 +183,7 @@ def _save_state(work: Path, state: dict) -> None:
 
 def synthetic_scan(state: dict):
     """A scanner (see ``indexer.build.build_index_dir``) listing items ``removed .. next`` without files."""
-    from indexer.scan import ScanEntry, ScanResult
+    from moco_retrieval.indexer.scan import ScanEntry, ScanResult
 
     def scan(root, labels):
         entries = [ScanEntry(file_path(i), f"c{i // FILES_PER_DIR:05d}", 0, 1) for i in range(state["removed"],
@@ -195,7 +194,7 @@ def synthetic_scan(state: dict):
 
 def _run_index(args, corpus: SyntheticCorpus, work: Path, state: dict, changed: list[str] | None = None
                ) -> tuple[dict, float, int]:
-    from indexer.build import IndexConfig, build_index_dir
+    from moco_retrieval.indexer.build import IndexConfig, build_index_dir
 
     cfg_kw = dict(index_type=state["index_type"], workers=0, progress=False, device="cpu")
     if state.get("max_index_memory") and not args.legacy:

@@ -31,9 +31,9 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # the bench reuses the tests' checkpoint writer
 
-from indexer.build import IndexConfig, build_index_dir  # noqa: E402
-from indexer.decode import decode_files  # noqa: E402
-from indexer.encoder import OnnxEncoder  # noqa: E402
+from moco_retrieval.indexer.build import IndexConfig, build_index_dir  # noqa: E402
+from moco_retrieval.indexer.decode import decode_files  # noqa: E402
+from moco_retrieval.indexer.encoder import OnnxEncoder  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "results"
 
@@ -42,7 +42,7 @@ def make_encoder(root: Path, image_size: int) -> Path:
     import torch
 
     from tests._checkpoints import write_checkpoint
-    from trainer.export import export_encoder
+    from moco_retrieval.trainer.export import export_encoder
 
     run = write_checkpoint(None, root / "run", seed=0, image_size=image_size, stem="imagenet")
     torch.set_num_threads(os.cpu_count() or 1)
@@ -66,7 +66,7 @@ def main() -> None:
     try:
         data = work / "images"
         if not data.exists():
-            from trainer.demo_data import write_demo_dataset
+            from moco_retrieval.trainer.demo_data import write_demo_dataset
 
             write_demo_dataset(data, per_class=args.images // 8, size=args.image_px)
         paths = sorted(p.relative_to(data).as_posix() for p in data.rglob("*.png"))

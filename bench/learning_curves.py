@@ -74,7 +74,7 @@ def read_curve(metrics: Path) -> dict:
 def dataset_folders(spec: str, work: Path) -> tuple[str, Path, Path]:
     """``(name, training folder, k-NN folder)`` of a ``--datasets`` entry."""
     if spec == "demo":
-        from trainer.demo_data import write_demo_dataset
+        from moco_retrieval.trainer.demo_data import write_demo_dataset
 
         folder = write_demo_dataset(work / "demo-data", per_class=200, size=64, seed=0)
         return "demo", folder, folder
@@ -103,8 +103,8 @@ def random_baselines(knn: Path, seeds: list[int], cache_root: str | None) -> dic
     import torch
     from torch.optim.swa_utils import update_bn
 
-    from trainer.backbones import build_resnet
-    from trainer.monitor import KnnMonitor
+    from moco_retrieval.trainer.backbones import build_resnet
+    from moco_retrieval.trainer.monitor import KnnMonitor
 
     cpu = torch.device("cpu")
     monitor = KnnMonitor(knn, IMAGE_SIZE, cache_root=cache_root)
@@ -123,7 +123,7 @@ def run_one(name: str, recipe: str, seed: int, train: Path, knn: Path, work: Pat
             lock: str | None) -> dict:
     out = work / f"{name}-{recipe}-s{seed}"
     args = [*COMMON, *RECIPES[recipe], "--seed", str(seed), "--time-budget", budget, "--knn-dir", str(knn), *extra]
-    cmd = [sys.executable, "-m", "app.cli", "train", str(train), "--out", str(out), *args]
+    cmd = [sys.executable, "-m", "moco_retrieval", "train", str(train), "--out", str(out), *args]
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     tic = time.perf_counter()
     with open(work / f"{name}-{recipe}-s{seed}.log", "w") as log, exclusive(lock):
@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> dict:
     if unknown:
         p.error(f"unknown recipe(s) {unknown}: choose from {list(RECIPES)} or define them with --candidate")
 
-    from contracts.images import walk_image_files
+    from moco_retrieval.contracts.images import walk_image_files
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

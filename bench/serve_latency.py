@@ -36,17 +36,17 @@ def build_bench_index(work: Path, corpus: int, device: str, stem: str = "auto") 
     """Generated shapes + random-init ResNet-18 (32 px, ``stem``) -> ``(index dir, image folder)``."""
     import torch
 
-    from indexer.build import IndexConfig, build_index_dir
-    from trainer.checkpoint import (
+    from moco_retrieval.indexer.build import IndexConfig, build_index_dir
+    from moco_retrieval.trainer.checkpoint import (
         CHECKPOINT_FORMAT,
         CHECKPOINT_VERSION,
         LAST,
         save_atomic,
     )
-    from trainer.config import TrainConfig
-    from trainer.demo_data import CLASSES, write_demo_dataset
-    from trainer.export import export_encoder
-    from trainer.variants import build_model
+    from moco_retrieval.trainer.config import TrainConfig
+    from moco_retrieval.trainer.demo_data import CLASSES, write_demo_dataset
+    from moco_retrieval.trainer.export import export_encoder
+    from moco_retrieval.trainer.variants import build_model
 
     data, index = work / "images", work / "index"
     if (index / "CURRENT").is_file():  # built by an earlier run
@@ -73,7 +73,7 @@ def free_port() -> int:
 
 
 def start_server(index: Path, port: int, device: str, threads: int | None, ui: bool = False) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "app.cli", "serve", str(index), "--port", str(port), "--device", device,
+    cmd = [sys.executable, "-m", "moco_retrieval", "serve", str(index), "--port", str(port), "--device", device,
            "--poll-seconds", "0"] + ([] if ui else ["--no-ui"])
     if threads:
         cmd += ["--threads", str(threads)]

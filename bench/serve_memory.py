@@ -77,7 +77,7 @@ def main() -> None:
 
     port = free_port()
     env = dict(os.environ, PYTHONPATH=str(args.src.resolve()), PYTHONUNBUFFERED="1")
-    server = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", str(args.index_dir.resolve()), "--port",
+    server = subprocess.Popen([sys.executable, "-m", "moco_retrieval", "serve", str(args.index_dir.resolve()), "--port",
                                str(port), "--no-ui", "--device", "cpu", "--poll-seconds", "0"], cwd=args.src, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:

@@ -51,11 +51,11 @@ def _queries(work: Path, n: int, d: int) -> np.ndarray:
 
 def _ground_truth(work: Path, index_dir: Path, xq: np.ndarray, k: int = 10) -> np.ndarray:
     """Exact top-k ids of ``xq`` over the live vectors of the live generation (cached per generation)."""
-    from indexer.faiss_index import exact_knn
-    from indexer.index_dir import IndexDirectory
-    from indexer.layout import IndexLayout
-    from indexer.metadata import MetadataStore
-    from indexer.vectors import live_blocks
+    from moco_retrieval.indexer.faiss_index import exact_knn
+    from moco_retrieval.indexer.index_dir import IndexDirectory
+    from moco_retrieval.indexer.layout import IndexLayout
+    from moco_retrieval.indexer.metadata import MetadataStore
+    from moco_retrieval.indexer.vectors import live_blocks
 
     with IndexDirectory.open(index_dir) as d:
         gen, blocks = d.generation, d.manifest.vector_blocks
@@ -75,7 +75,7 @@ def _ground_truth(work: Path, index_dir: Path, xq: np.ndarray, k: int = 10) -> n
 def _search_worker(index_dir: str, xq: np.ndarray, seconds: float, start, done, results) -> None:
     import faiss
 
-    from indexer.index_dir import IndexDirectory
+    from moco_retrieval.indexer.index_dir import IndexDirectory
 
     faiss.omp_set_num_threads(1)
     with IndexDirectory.open(index_dir) as d:
@@ -99,8 +99,8 @@ def _search_worker(index_dir: str, xq: np.ndarray, seconds: float, start, done, 
 def warm_page_cache(index_dir: Path) -> float:
     """Read the live generation's FAISS files and vector blocks once, so that every worker count is measured
     with the index in the page cache (as a server that has been running is); returns the seconds it took."""
-    from indexer.index_dir import IndexDirectory
-    from indexer.layout import IndexLayout
+    from moco_retrieval.indexer.index_dir import IndexDirectory
+    from moco_retrieval.indexer.layout import IndexLayout
 
     tic = time.perf_counter()
     with IndexDirectory.open(index_dir) as d:
@@ -114,7 +114,7 @@ def warm_page_cache(index_dir: Path) -> float:
 
 
 def search_level(index_dir: Path, xq: np.ndarray, truth: np.ndarray, workers: int, seconds: float) -> dict:
-    from indexer.faiss_index import recall_at_k
+    from moco_retrieval.indexer.faiss_index import recall_at_k
 
     ctx = multiprocessing.get_context("spawn")
     start, done, results = ctx.Event(), ctx.Barrier(workers), ctx.Queue()
@@ -149,7 +149,7 @@ def http_level(index_dir: Path, workers: int, seconds: float) -> dict:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", str(index_dir), "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "moco_retrieval", "serve", str(index_dir), "--port", str(port),
                              "--workers", str(workers), "--no-ui", "--device", "cpu", "--poll-seconds", "0",
                              "--faiss-gpu", "none"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                             text=True, env=dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO)))
@@ -200,7 +200,7 @@ def http_level(index_dir: Path, workers: int, seconds: float) -> dict:
 
 def phase_serve(args, work: Path) -> None:
     from bench.index_scale import _record
-    from indexer.index_dir import IndexDirectory
+    from moco_retrieval.indexer.index_dir import IndexDirectory
 
     index_dir = work / "index"
     with IndexDirectory.open(index_dir) as d:

@@ -31,11 +31,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from trainer.config import VITS, TrainConfig  # noqa: E402
-from trainer.device import cpu_has_native_bf16, resolve_device  # noqa: E402
-from trainer.recipes import resolve_before_training, resolve_schedule  # noqa: E402
-from trainer.train import run_epoch, setup, train_step  # noqa: E402
-from trainer.variants import variant_for  # noqa: E402
+from moco_retrieval.trainer.config import VITS, TrainConfig  # noqa: E402
+from moco_retrieval.trainer.device import cpu_has_native_bf16, resolve_device  # noqa: E402
+from moco_retrieval.trainer.recipes import resolve_before_training, resolve_schedule  # noqa: E402
+from moco_retrieval.trainer.train import run_epoch, setup, train_step  # noqa: E402
+from moco_retrieval.trainer.variants import variant_for  # noqa: E402
 
 
 def compute_only(cfg: TrainConfig, steps: int, warmup: int) -> dict:

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Iterator
 
-from contracts.errors import OutputError
+from moco_retrieval.contracts.errors import OutputError
 
 # mkstemp creates files readable by their owner only; a published file gets the usual mode (0666 less the umask),
 # so a server running as another user can read an index or an encoder. Read once: os.umask can only be set to read.

@@ -23,8 +23,8 @@ import json
 import numpy as np
 from PIL import Image
 
-from contracts.errors import ArtifactError, ConfigError, DataError
-from contracts.images import check_size
+from moco_retrieval.contracts.errors import ArtifactError, ConfigError, DataError
+from moco_retrieval.contracts.images import check_size
 
 ENCODER_FORMAT = "moco-retrieval/encoder"
 ENCODER_FORMAT_VERSION = 1

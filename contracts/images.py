@@ -45,8 +45,8 @@ from typing import Iterator
 import numpy as np
 from PIL import Image, ImageOps
 
-from contracts.errors import DataError
-from contracts.filenames import display_name
+from moco_retrieval.contracts.errors import DataError
+from moco_retrieval.contracts.filenames import display_name
 
 LOG = logging.getLogger(__name__)
 

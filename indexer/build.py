@@ -34,15 +34,15 @@ from pathlib import Path
 
 import numpy as np
 
-from contracts.atomic import atomic_write, link_or_copy_atomic, output_errors, write_json_atomic
-from contracts.errors import ArtifactError, ConfigError, DataError, OutputError
-from contracts.filenames import display_name
-from contracts.launch import WorldInfo, world_info_from_env
-from indexer import faiss_index, integrity, update
-from indexer.embed import FolderEmbedder
-from indexer.encoder import OnnxEncoder, available_cores
-from indexer.index_dir import IndexDirectory
-from indexer.layout import (
+from moco_retrieval.contracts.atomic import atomic_write, link_or_copy_atomic, output_errors, write_json_atomic
+from moco_retrieval.contracts.errors import ArtifactError, ConfigError, DataError, OutputError
+from moco_retrieval.contracts.filenames import display_name
+from moco_retrieval.contracts.launch import WorldInfo, world_info_from_env
+from moco_retrieval.indexer import faiss_index, integrity, update
+from moco_retrieval.indexer.embed import FolderEmbedder
+from moco_retrieval.indexer.encoder import OnnxEncoder, available_cores
+from moco_retrieval.indexer.index_dir import IndexDirectory
+from moco_retrieval.indexer.layout import (
     ENCODER_FILE,
     LMDB_DATA_FILE,
     META_DIR,
@@ -55,13 +55,13 @@ from indexer.layout import (
     remove_stale_staging,
     utc_now,
 )
-from indexer.manifest import IndexManifest, file_sha256
-from indexer.metadata import MetadataStore, link_store, materialize
-from indexer.plan import Plan, plan_full, plan_listed, read_changed_list, scan_listed
-from indexer.ranks import DEFAULT_TIMEOUT_S, Rendezvous, part_of_plan, plan_digest
-from indexer.scan import ScanEntry, read_labels_csv, scan_folder
-from indexer.shards import WorkShards, discard_other_models
-from indexer.vectors import BlockVectors, BlockWriter, block_dtype, block_exists, live_blocks
+from moco_retrieval.indexer.manifest import IndexManifest, file_sha256
+from moco_retrieval.indexer.metadata import MetadataStore, link_store, materialize
+from moco_retrieval.indexer.plan import Plan, plan_full, plan_listed, read_changed_list, scan_listed
+from moco_retrieval.indexer.ranks import DEFAULT_TIMEOUT_S, Rendezvous, part_of_plan, plan_digest
+from moco_retrieval.indexer.scan import ScanEntry, read_labels_csv, scan_folder
+from moco_retrieval.indexer.shards import WorkShards, discard_other_models
+from moco_retrieval.indexer.vectors import BlockVectors, BlockWriter, block_dtype, block_exists, live_blocks
 
 LOG = logging.getLogger(__name__)
 

@@ -20,9 +20,9 @@ from typing import Iterator
 
 import numpy as np
 
-from contracts.encoder_format import preprocess_image
-from contracts.errors import DataError
-from contracts.images import decode_image, read_image_bytes
+from moco_retrieval.contracts.encoder_format import preprocess_image
+from moco_retrieval.contracts.errors import DataError
+from moco_retrieval.contracts.images import decode_image, read_image_bytes
 
 LOG = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ def _context():
     # torch in `moco demo`); spawn where forkserver does not exist.
     if sys.platform.startswith("linux"):
         ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload(["indexer.decode"])
+        ctx.set_forkserver_preload(["moco_retrieval.indexer.decode"])
         return ctx
     return multiprocessing.get_context("spawn")
 

@@ -16,11 +16,11 @@ from pathlib import Path
 
 import numpy as np
 
-from contracts.filenames import display_name
-from indexer.decode import decode_files
-from indexer.encoder import OnnxEncoder
-from indexer.scan import ScanEntry
-from indexer.shards import WorkShards
+from moco_retrieval.contracts.filenames import display_name
+from moco_retrieval.indexer.decode import decode_files
+from moco_retrieval.indexer.encoder import OnnxEncoder
+from moco_retrieval.indexer.scan import ScanEntry
+from moco_retrieval.indexer.shards import WorkShards
 
 LOG = logging.getLogger(__name__)
 

@@ -17,14 +17,14 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from contracts.encoder_format import (
+from moco_retrieval.contracts.encoder_format import (
     INPUT_NAME,
     OUTPUT_NAME,
     preprocess_image,
     validate_metadata,
 )
-from contracts.errors import ArtifactError, ConfigError, DataError, MocoError
-from contracts.images import decode_image
+from moco_retrieval.contracts.errors import ArtifactError, ConfigError, DataError, MocoError
+from moco_retrieval.contracts.images import decode_image
 
 LOG = logging.getLogger(__name__)
 

@@ -21,8 +21,8 @@ from typing import Callable
 import faiss
 import numpy as np
 
-from contracts.errors import ConfigError
-from indexer.searcher import GPU_MAX_K, unwrap
+from moco_retrieval.contracts.errors import ConfigError
+from moco_retrieval.indexer.searcher import GPU_MAX_K, unwrap
 
 LOG = logging.getLogger(__name__)
 

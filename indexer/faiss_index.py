@@ -33,10 +33,10 @@ from typing import Callable, Iterator
 import faiss
 import numpy as np
 
-from contracts.atomic import check_free_space
-from contracts.errors import ConfigError, IndexBuildError, OutputError
-from indexer import faiss_gpu
-from indexer.searcher import LayeredIndex
+from moco_retrieval.contracts.atomic import check_free_space
+from moco_retrieval.contracts.errors import ConfigError, IndexBuildError, OutputError
+from moco_retrieval.indexer import faiss_gpu
+from moco_retrieval.indexer.searcher import LayeredIndex
 
 LOG = logging.getLogger(__name__)
 
@@ -484,7 +484,7 @@ def read_index(path: str | os.PathLike, factory: str | None = None, on_disk: boo
     Raises:
         ArtifactError: an unreadable file.
     """
-    from contracts.errors import ArtifactError
+    from moco_retrieval.contracts.errors import ArtifactError
 
     flags = read_flags(factory, on_disk, mmap) if factory is not None else 0
     try:

@@ -21,16 +21,16 @@ from pathlib import Path
 import faiss
 import numpy as np
 
-from contracts.errors import ArtifactError
-from indexer import faiss_gpu
-from indexer.faiss_index import read_index
-from indexer.integrity import check_files
-from indexer.layout import IndexLayout, current_generation
-from indexer.manifest import IndexManifest
-from indexer.metadata import MetadataStore
-from indexer.searcher import LayeredIndex, open_vectors_lazily
-from indexer.update import read_delta, read_removed
-from indexer.vectors import BlockVectors
+from moco_retrieval.contracts.errors import ArtifactError
+from moco_retrieval.indexer import faiss_gpu
+from moco_retrieval.indexer.faiss_index import read_index
+from moco_retrieval.indexer.integrity import check_files
+from moco_retrieval.indexer.layout import IndexLayout, current_generation
+from moco_retrieval.indexer.manifest import IndexManifest
+from moco_retrieval.indexer.metadata import MetadataStore
+from moco_retrieval.indexer.searcher import LayeredIndex, open_vectors_lazily
+from moco_retrieval.indexer.update import read_delta, read_removed
+from moco_retrieval.indexer.vectors import BlockVectors
 
 LOG = logging.getLogger(__name__)
 

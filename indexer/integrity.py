@@ -35,8 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Collection
 
-from contracts.errors import ArtifactError
-from indexer.layout import (
+from moco_retrieval.contracts.errors import ArtifactError
+from moco_retrieval.indexer.layout import (
     DELTA_INDEX_FILE,
     DELTA_META_DIR,
     ENCODER_FILE,
@@ -49,7 +49,7 @@ from indexer.layout import (
     IndexLayout,
     generation_number,
 )
-from indexer.manifest import IndexManifest, file_sha256
+from moco_retrieval.indexer.manifest import IndexManifest, file_sha256
 
 LOG = logging.getLogger(__name__)
 
@@ -219,7 +219,7 @@ def verify_index_dir(path: str | os.PathLike) -> Verified:
     Raises:
         ArtifactError: not an index directory, a damaged pointer, or a damaged or unreadable generation.
     """
-    from indexer.index_dir import IndexDirectory  # index_dir checks sizes with this module
+    from moco_retrieval.indexer.index_dir import IndexDirectory  # index_dir checks sizes with this module
 
     layout = IndexLayout(Path(path).absolute())
     if not layout.root.is_dir():

@@ -40,10 +40,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from contracts.atomic import fsync_dir, output_errors, write_text_atomic
-from contracts.errors import ArtifactError
-from contracts.filenames import display_name
-from indexer.manifest import IndexManifest
+from moco_retrieval.contracts.atomic import fsync_dir, output_errors, write_text_atomic
+from moco_retrieval.contracts.errors import ArtifactError
+from moco_retrieval.contracts.filenames import display_name
+from moco_retrieval.indexer.manifest import IndexManifest
 
 LOG = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from contracts.atomic import write_json_atomic
-from contracts.errors import ArtifactError
+from moco_retrieval.contracts.atomic import write_json_atomic
+from moco_retrieval.contracts.errors import ArtifactError
 
 def file_sha256(path: str | os.PathLike) -> str | None:
     """The hex sha256 of a file's bytes (streamed), or ``None`` when it cannot be read."""

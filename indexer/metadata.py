@@ -50,9 +50,9 @@ from typing import Callable, Iterable, Iterator
 import lmdb
 import numpy as np
 
-from contracts.atomic import output_errors
-from contracts.errors import ArtifactError, IndexBuildError, OutputError
-from contracts.filenames import decode_name, encode_name
+from moco_retrieval.contracts.atomic import output_errors
+from moco_retrieval.contracts.errors import ArtifactError, IndexBuildError, OutputError
+from moco_retrieval.contracts.filenames import decode_name, encode_name
 
 LOG = logging.getLogger(__name__)
 

@@ -19,10 +19,10 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from contracts.errors import ConfigError, DataError
-from contracts.images import find_image_file
-from indexer.metadata import MetadataStore
-from indexer.scan import ScanEntry, ScanResult
+from moco_retrieval.contracts.errors import ConfigError, DataError
+from moco_retrieval.contracts.images import find_image_file
+from moco_retrieval.indexer.metadata import MetadataStore
+from moco_retrieval.indexer.scan import ScanEntry, ScanResult
 
 LOG = logging.getLogger(__name__)
 

@@ -30,9 +30,9 @@ import time
 from pathlib import Path
 from typing import Callable, Sequence
 
-from contracts.atomic import write_json_atomic, write_text_atomic
-from contracts.errors import IndexBuildError
-from contracts.launch import WorldInfo, world_info_from_env
+from moco_retrieval.contracts.atomic import write_json_atomic, write_text_atomic
+from moco_retrieval.contracts.errors import IndexBuildError
+from moco_retrieval.contracts.launch import WorldInfo, world_info_from_env
 
 LOG = logging.getLogger(__name__)
 

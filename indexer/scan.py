@@ -17,8 +17,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from contracts.errors import ConfigError, DataError
-from contracts.images import IMAGE_EXTENSIONS, walk_image_files
+from moco_retrieval.contracts.errors import ConfigError, DataError
+from moco_retrieval.contracts.images import IMAGE_EXTENSIONS, walk_image_files
 
 LOG = logging.getLogger(__name__)
 

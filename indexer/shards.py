@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from contracts.atomic import atomic_write, output_errors, write_json_atomic, write_text_atomic
+from moco_retrieval.contracts.atomic import atomic_write, output_errors, write_json_atomic, write_text_atomic
 
 LOG = logging.getLogger(__name__)
 

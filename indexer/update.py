@@ -26,13 +26,13 @@ from pathlib import Path
 import faiss
 import numpy as np
 
-from contracts.atomic import atomic_write, link_or_copy_atomic, output_errors
-from contracts.errors import ArtifactError, IndexBuildError
-from indexer.faiss_index import read_index, write_index
-from indexer.layout import GenerationPaths, IndexLayout
-from indexer.manifest import IndexManifest
-from indexer.metadata import MetadataStore, copy_store, link_store
-from indexer.vectors import BlockWriter, block_rows, live_blocks, open_block
+from moco_retrieval.contracts.atomic import atomic_write, link_or_copy_atomic, output_errors
+from moco_retrieval.contracts.errors import ArtifactError, IndexBuildError
+from moco_retrieval.indexer.faiss_index import read_index, write_index
+from moco_retrieval.indexer.layout import GenerationPaths, IndexLayout
+from moco_retrieval.indexer.manifest import IndexManifest
+from moco_retrieval.indexer.metadata import MetadataStore, copy_store, link_store
+from moco_retrieval.indexer.vectors import BlockWriter, block_rows, live_blocks, open_block
 
 LOG = logging.getLogger(__name__)
 

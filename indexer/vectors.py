@@ -19,9 +19,9 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from contracts.atomic import atomic_path, atomic_write, check_free_space, output_errors
-from contracts.errors import ArtifactError, IndexBuildError, OutputError
-from indexer.layout import IndexLayout
+from moco_retrieval.contracts.atomic import atomic_path, atomic_write, check_free_space, output_errors
+from moco_retrieval.contracts.errors import ArtifactError, IndexBuildError, OutputError
+from moco_retrieval.indexer.layout import IndexLayout
 
 READ_ROWS = 65_536  # rows per block handed to FAISS
 

@@ -31,21 +31,21 @@ from typing import Iterator
 
 import numpy as np
 
-from contracts.encoder_format import preprocess_image
-from contracts.errors import (
+from moco_retrieval.contracts.encoder_format import preprocess_image
+from moco_retrieval.contracts.errors import (
     ArtifactError,
     ConfigError,
     DataError,
     MocoError,
     UnknownItemError,
 )
-from contracts.images import decode_image
-from contracts.knn import KNN_K, KNN_TEMPERATURE, SEARCH_K
-from indexer.encoder import available_cores
-from indexer.layout import current_generation
-from serve.batching import MicroBatcher
-from serve.files import open_indexed_file
-from serve.generation import ServedGeneration
+from moco_retrieval.contracts.images import decode_image
+from moco_retrieval.contracts.knn import KNN_K, KNN_TEMPERATURE, SEARCH_K
+from moco_retrieval.indexer.encoder import available_cores
+from moco_retrieval.indexer.layout import current_generation
+from moco_retrieval.serve.batching import MicroBatcher
+from moco_retrieval.serve.files import open_indexed_file
+from moco_retrieval.serve.generation import ServedGeneration
 
 LOG = logging.getLogger(__name__)
 

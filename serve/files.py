@@ -20,9 +20,9 @@ import stat
 from pathlib import Path
 from typing import BinaryIO
 
-from contracts.errors import ImageGoneError
-from contracts.filenames import display_name
-from contracts.images import is_inside
+from moco_retrieval.contracts.errors import ImageGoneError
+from moco_retrieval.contracts.filenames import display_name
+from moco_retrieval.contracts.images import is_inside
 
 
 def open_indexed_file(image_root: str | os.PathLike, record: dict) -> tuple[BinaryIO, os.stat_result]:

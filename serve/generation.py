@@ -17,12 +17,12 @@ from pathlib import Path
 import faiss
 import numpy as np
 
-from contracts.errors import ArtifactError
-from indexer.encoder import OnnxEncoder
-from indexer.faiss_index import index_kind
-from indexer.index_dir import IndexDirectory
-from indexer.layout import current_generation
-from indexer.manifest import check_encoder_copy
+from moco_retrieval.contracts.errors import ArtifactError
+from moco_retrieval.indexer.encoder import OnnxEncoder
+from moco_retrieval.indexer.faiss_index import index_kind
+from moco_retrieval.indexer.index_dir import IndexDirectory
+from moco_retrieval.indexer.layout import current_generation
+from moco_retrieval.indexer.manifest import check_encoder_copy
 
 LOG = logging.getLogger(__name__)
 

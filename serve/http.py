@@ -34,10 +34,10 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from contracts.errors import DataError, MocoError, UploadTooLargeError
-from contracts.filenames import display_name
-from contracts.knn import KNN_K, KNN_TEMPERATURE, SEARCH_K
-from serve.engine import EngineConfig, SearchEngine
+from moco_retrieval.contracts.errors import DataError, MocoError, UploadTooLargeError
+from moco_retrieval.contracts.filenames import display_name
+from moco_retrieval.contracts.knn import KNN_K, KNN_TEMPERATURE, SEARCH_K
+from moco_retrieval.serve.engine import EngineConfig, SearchEngine
 
 LOG = logging.getLogger(__name__)
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 
 from tests.conftest import resolved_config, tiny_train_config
-from trainer.checkpoint import CHECKPOINT_FORMAT, CHECKPOINT_VERSION, LAST, save_atomic
-from trainer.variants import build_model
+from moco_retrieval.trainer.checkpoint import CHECKPOINT_FORMAT, CHECKPOINT_VERSION, LAST, save_atomic
+from moco_retrieval.trainer.variants import build_model
 
 
 def write_checkpoint(data_dir: Path | None, run_dir: Path, seed: int = 0, **overrides) -> Path:
@@ -39,8 +39,8 @@ def write_checkpoint(data_dir: Path | None, run_dir: Path, seed: int = 0, **over
 
 def key_backbone(run_dir: Path) -> torch.nn.Module:
     """The momentum encoder's backbone of a checkpoint (the one an export must NOT use), eval mode."""
-    from trainer.checkpoint import load_checkpoint
-    from trainer.config import TrainConfig
+    from moco_retrieval.trainer.checkpoint import load_checkpoint
+    from moco_retrieval.trainer.config import TrainConfig
 
     ckpt = load_checkpoint(run_dir)
     model = build_model(TrainConfig.from_dict(ckpt["config"]), bn_splits=1)

@@ -9,8 +9,8 @@ import sys
 
 import torch
 
-from trainer.config import TrainConfig
-from trainer.train import train
+from moco_retrieval.trainer.config import TrainConfig
+from moco_retrieval.trainer.train import train
 
 
 def main() -> None:

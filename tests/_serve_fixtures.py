@@ -57,7 +57,7 @@ def private_index(tmp_path, serve_corpus, encoder_onnx):
 @pytest.fixture(scope="session")
 def served_engine(served_index):
     """One engine over ``served_index`` shared by the tests (CPU, one encoder thread, no watcher)."""
-    from serve.engine import EngineConfig, SearchEngine
+    from moco_retrieval.serve.engine import EngineConfig, SearchEngine
 
     engine = SearchEngine(served_index, EngineConfig(device="cpu", threads=1, poll_seconds=0))
     yield engine
@@ -67,7 +67,7 @@ def served_engine(served_index):
 @pytest.fixture(scope="session")
 def live_server(served_engine):
     """The whole application (JSON API + Gradio UI at /) served by uvicorn over ``served_index``."""
-    from app.server import make_app
+    from moco_retrieval.app.server import make_app
 
     server = RunningServer(make_app(served_engine))
     yield server

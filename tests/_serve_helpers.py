@@ -36,7 +36,7 @@ def write_colour_corpus(root: Path, per_class: int, seed: int, size: int = 32) -
 
 def build_index(image_dir: Path, encoder: Path, out: Path):
     """Run the real indexing pipeline (``moco index``) in this process, without worker processes."""
-    from indexer.build import IndexConfig, build_index_dir
+    from moco_retrieval.indexer.build import IndexConfig, build_index_dir
 
     return build_index_dir(IndexConfig(str(image_dir), str(encoder), str(out), workers=0, progress=False,
                                        device="cpu"))
@@ -59,7 +59,7 @@ def export_random_encoder(out_dir: Path, seed: int = 0) -> Path:
     import torch
 
     from tests._checkpoints import write_checkpoint
-    from trainer.export import export_encoder
+    from moco_retrieval.trainer.export import export_encoder
 
     torch.set_num_threads(1)
     run = write_checkpoint(None, out_dir / f"run{seed}", seed=seed)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer.demo_data import write_demo_dataset
+from moco_retrieval.trainer.demo_data import write_demo_dataset
 
 # every training run of the suite, in this process or a subprocess, caches its decoded images here
 os.environ["MOCO_CACHE_DIR"] = tempfile.mkdtemp(prefix="moco-test-cache-")
@@ -25,7 +25,7 @@ def shapes_dir(tmp_path_factory) -> Path:
 
 def tiny_train_config(data_dir: Path, out_dir: Path, **overrides):
     """A ResNet-18 MoCo v2 config small enough for a CPU test: 32 px, batch 16, queue 32, no k-NN monitor."""
-    from trainer.config import TrainConfig
+    from moco_retrieval.trainer.config import TrainConfig
 
     values = dict(
         data_dir=str(data_dir), out_dir=str(out_dir), arch="resnet18", stem="imagenet", image_size=32, epochs=2,
@@ -37,8 +37,8 @@ def tiny_train_config(data_dir: Path, out_dir: Path, **overrides):
 
 def resolved_config(cfg, num_images: int = 96):
     """``cfg`` with every option a recipe would fill filled (as the run would, on ``num_images`` images)."""
-    from trainer.recipes import resolve_before_training, resolve_schedule
-    from trainer.variants import variant_for
+    from moco_retrieval.trainer.recipes import resolve_before_training, resolve_schedule
+    from moco_retrieval.trainer.variants import variant_for
 
     variant = variant_for(cfg)
     cfg = resolve_before_training(cfg, variant, num_images, 1, False)

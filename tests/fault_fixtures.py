@@ -22,7 +22,7 @@ from typing import Callable
 import numpy as np
 from PIL import Image
 
-from contracts.images import MAX_IMAGE_PIXELS
+from moco_retrieval.contracts.images import MAX_IMAGE_PIXELS
 
 NON_UTF8 = os.fsdecode(b"caf\xe9.png")   # a Latin-1 name: not valid UTF-8
 NFC = "\u00e9t\u00e9.png"                # été.png, composed

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer.demo_data import write_demo_dataset
+from moco_retrieval.trainer.demo_data import write_demo_dataset
 
 BAD_FILES = {  # relative path -> what is wrong with it
     "circle/truncated.png": "truncated PNG",
@@ -34,7 +34,7 @@ def _export(root: Path, seed: int) -> Path:
     import torch
 
     from tests._checkpoints import write_checkpoint
-    from trainer.export import export_encoder
+    from moco_retrieval.trainer.export import export_encoder
 
     torch.set_num_threads(1)
     run = write_checkpoint(None, root / f"run{seed}", seed=seed)
@@ -135,7 +135,7 @@ def write_tiny_encoder(path: Path, d: int = 16, image_size: int = 16, seed: int 
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
-    from contracts.encoder_format import (
+    from moco_retrieval.contracts.encoder_format import (
         ENCODER_FORMAT,
         ENCODER_FORMAT_VERSION,
         IMAGENET_MEAN,

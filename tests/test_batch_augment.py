@@ -9,8 +9,8 @@ import torch
 from torchvision.transforms import v2 as T
 from torchvision.transforms.v2 import functional as TF
 
-from contracts.encoder_format import IMAGENET_MEAN, IMAGENET_STD
-from trainer import batch_augment as B
+from moco_retrieval.contracts.encoder_format import IMAGENET_MEAN, IMAGENET_STD
+from moco_retrieval.trainer import batch_augment as B
 
 N_STAT = 4000
 

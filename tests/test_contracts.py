@@ -15,13 +15,13 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from contracts.atomic import (
+from moco_retrieval.contracts.atomic import (
     atomic_path,
     link_or_copy_atomic,
     write_json_atomic,
     write_text_atomic,
 )
-from contracts.encoder_format import (
+from moco_retrieval.contracts.encoder_format import (
     ENCODER_FORMAT,
     ENCODER_FORMAT_VERSION,
     REQUIRED_KEYS,
@@ -29,8 +29,8 @@ from contracts.encoder_format import (
     encode_metadata,
     validate_metadata,
 )
-from contracts.errors import ArtifactError, DataError, OutputError
-from contracts.images import (
+from moco_retrieval.contracts.errors import ArtifactError, DataError, OutputError
+from moco_retrieval.contracts.images import (
     BACKGROUND,
     MAX_IMAGE_PIXELS,
     check_image,
@@ -237,13 +237,13 @@ def test_contracts__import_nothing_heavy():
 
 
 def test_serving_stack__imports_without_torch_in_a_real_process():
-    modules = ["contracts.errors", "contracts.images", "contracts.encoder_format", "contracts.atomic",
-               "contracts.knn", "indexer.build", "indexer.index_dir", "serve.engine", "serve.http", "app.cli",
-               "app.server", "app.gradio_app", "app.cmd_serve", "app.cmd_index", "trainer.config",
-               "trainer.imagefolder", "trainer.demo_data"]
+    modules = ["moco_retrieval.contracts.errors", "moco_retrieval.contracts.images", "moco_retrieval.contracts.encoder_format", "moco_retrieval.contracts.atomic",
+               "moco_retrieval.contracts.knn", "moco_retrieval.indexer.build", "moco_retrieval.indexer.index_dir", "moco_retrieval.serve.engine", "moco_retrieval.serve.http", "moco_retrieval.app.cli",
+               "moco_retrieval.app.server", "moco_retrieval.app.gradio_app", "moco_retrieval.app.cmd_serve", "moco_retrieval.app.cmd_index", "moco_retrieval.trainer.config",
+               "moco_retrieval.trainer.imagefolder", "moco_retrieval.trainer.demo_data"]
     code = ("import importlib, json, sys\n"
             f"for name in {modules!r}: importlib.import_module(name)\n"
-            "from app.cli import build_parser\nbuild_parser()\n"
+            "from moco_retrieval.app.cli import build_parser\nbuild_parser()\n"
             "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'torchvision', 'timm'))))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO)
     assert proc.returncode == 0, proc.stderr

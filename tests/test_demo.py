@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from app.demo import knn_report, run_demo
-from indexer.index_dir import IndexDirectory
+from moco_retrieval.app.demo import knn_report, run_demo
+from moco_retrieval.indexer.index_dir import IndexDirectory
 
 
 @pytest.mark.timeout(600)
 def test_demo__runs_the_whole_flow_and_reports_the_knn_gain(tmp_path, capsys, monkeypatch):
-    import app.demo as demo
-
+    import moco_retrieval.app.demo as demo
     monkeypatch.setattr(demo, "DEMO_IMAGES_PER_CLASS", 24)  # 192 images: the flow, not the learning
     run_demo(tmp_path / "demo", budget="6s", device="cpu", serve=False)
     out = capsys.readouterr().out

@@ -19,19 +19,19 @@ import torch.nn.functional as F
 from PIL import Image
 from torchvision.transforms import v2 as T
 
-from contracts.encoder_format import ENCODER_FORMAT_VERSION, preprocess_image
-from contracts.errors import ArtifactError, ConfigError, DataError
-from contracts.images import decode_image
-from indexer.encoder import (
+from moco_retrieval.contracts.encoder_format import ENCODER_FORMAT_VERSION, preprocess_image
+from moco_retrieval.contracts.errors import ArtifactError, ConfigError, DataError
+from moco_retrieval.contracts.images import decode_image
+from moco_retrieval.indexer.encoder import (
     OnnxEncoder,
     available_cores,
     open_session,
     read_encoder_metadata,
 )
 from tests._checkpoints import write_checkpoint
-from trainer.demo_data import draw_shape
-from trainer.eval_transform import eval_transform
-from trainer.export import export_encoder, load_backbone
+from moco_retrieval.trainer.demo_data import draw_shape
+from moco_retrieval.trainer.eval_transform import eval_transform
+from moco_retrieval.trainer.export import export_encoder, load_backbone
 
 
 @pytest.fixture(scope="module")
@@ -171,7 +171,7 @@ def test_encoder__runs_without_torch_in_a_real_process(exported, tmp_path):
     _photo(45, 33).save(image)
     code = (
         "import json, sys\n"
-        "from indexer.encoder import OnnxEncoder\n"
+        "from moco_retrieval.indexer.encoder import OnnxEncoder\n"
         f"e = OnnxEncoder({str(exported[0])!r}, device='cpu', threads=1)\n"
         f"x = e.embed_images([{str(image)!r}])\n"
         "print(json.dumps({'torch': 'torch' in sys.modules, 'shape': list(x.shape), 'row': x[0, :4].tolist()}))\n"

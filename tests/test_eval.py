@@ -10,13 +10,13 @@ import pytest
 import torch
 from PIL import Image
 
-from app.cli import main
+from moco_retrieval.app.cli import main
 from tests.conftest import tiny_train_config
-from trainer.checkpoint import CHECKPOINT_FORMAT, CHECKPOINT_VERSION, save_atomic
-from trainer.config import TrainConfig
-from trainer.evaluate import LinearProbeConfig, knn_top1, linear_probe
-from trainer.train import train
-from trainer.variants import build_model
+from moco_retrieval.trainer.checkpoint import CHECKPOINT_FORMAT, CHECKPOINT_VERSION, save_atomic
+from moco_retrieval.trainer.config import TrainConfig
+from moco_retrieval.trainer.evaluate import LinearProbeConfig, knn_top1, linear_probe
+from moco_retrieval.trainer.train import train
+from moco_retrieval.trainer.variants import build_model
 
 COLOURS = {"red": (220, 30, 30), "green": (30, 200, 40), "blue": (30, 40, 220)}
 
@@ -124,7 +124,7 @@ def test_eval__trained_run_directory_writes_json_into_the_run(trained_run, shape
 
 
 def test_eval_knn__onnx_encoder_agrees_with_its_checkpoint(trained_run, colour_split, tmp_path, capsys):
-    from trainer.export import export_encoder
+    from moco_retrieval.trainer.export import export_encoder
 
     onnx_path = tmp_path / "encoder.onnx"
     export_encoder(trained_run, onnx_path)
@@ -138,7 +138,7 @@ def test_eval_knn__onnx_encoder_agrees_with_its_checkpoint(trained_run, colour_s
     assert from_onnx["model"]["model_kind"] == "onnx" and from_onnx["model"]["arch"] == "resnet18"
     assert abs(from_onnx["results"][0]["top1"] - from_ckpt["results"][0]["top1"]) <= 1 / 15 + 1e-9  # one image
     # the features themselves agree: the ONNX path preprocesses and embeds as the checkpoint path does
-    from app.cmd_eval import open_model
+    from moco_retrieval.app.cmd_eval import open_model
 
     paths = [str(p) for p in sorted(train_dir.rglob("*.png"))[:6]]
     onnx_x = open_model(str(onnx_path), "cpu", 16, 0).embed_images(paths)

@@ -11,12 +11,12 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from app.cli import main
-from contracts.encoder_format import ENCODER_FORMAT, ENCODER_FORMAT_VERSION
-from contracts.errors import ArtifactError, ConfigError, ExportError, OutputError
-from indexer.encoder import read_encoder_metadata
+from moco_retrieval.app.cli import main
+from moco_retrieval.contracts.encoder_format import ENCODER_FORMAT, ENCODER_FORMAT_VERSION
+from moco_retrieval.contracts.errors import ArtifactError, ConfigError, ExportError, OutputError
+from moco_retrieval.indexer.encoder import read_encoder_metadata
 from tests._checkpoints import key_backbone, write_checkpoint
-from trainer.export import (
+from moco_retrieval.trainer.export import (
     DEFAULT_OPSET,
     FP32_TOLERANCE,
     MAX_OPSET,
@@ -188,7 +188,7 @@ def test_export_cli__prints_figures_and_writes_file(v2_run, tmp_path, capsys):
 
 def test_export_cli__foreign_checkpoint_is_one_line_error_in_a_real_process(tmp_path):
     (tmp_path / "x.pt").write_bytes(b"PK\x03\x04 definitely not torch")
-    proc = subprocess.run([sys.executable, "-m", "app.cli", "export", str(tmp_path / "x.pt"), "--out",
+    proc = subprocess.run([sys.executable, "-m", "moco_retrieval", "export", str(tmp_path / "x.pt"), "--out",
                            str(tmp_path / "e.onnx")], capture_output=True, text=True, timeout=120)
     assert proc.returncode == ArtifactError.exit_code
     assert proc.stderr.startswith("moco: error: cannot read checkpoint") and proc.stderr.count("\n") == 1
@@ -217,7 +217,7 @@ def test_export__v3_matches_pytorch_at_batch_1_and_7(arch, shapes_dir, tmp_path)
 
 
 def test_demo__exports_the_trained_encoder_next_to_the_run(v2_run, tmp_path):
-    from app.demo import export_demo_encoder
+    from moco_retrieval.app.demo import export_demo_encoder
 
     path = export_demo_encoder(v2_run, tmp_path)
     assert path == tmp_path / "encoder.onnx" and read_encoder_metadata(path)["run_id"] == "test-run-0"

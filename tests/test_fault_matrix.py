@@ -23,9 +23,9 @@ import httpx
 import lmdb
 import pytest
 
-from contracts.filenames import display_name, encode_name
-from indexer.build import IndexConfig, build_index_dir
-from indexer.index_dir import IndexDirectory
+from moco_retrieval.contracts.filenames import display_name, encode_name
+from moco_retrieval.indexer.build import IndexConfig, build_index_dir
+from moco_retrieval.indexer.index_dir import IndexDirectory
 from tests._serve_helpers import RunningServer
 from tests.fault_fixtures import BAD_NAME, CASES, DEEP, NFC, NFD, NON_UTF8, encode, _pattern, write_fault_folder
 from tests.index_fixtures import index_encoder  # noqa: F401 (fixture)
@@ -52,7 +52,7 @@ def matrix(tmp_path_factory, index_encoder):
     root = tmp_path_factory.mktemp("faults")
     images, out = root / "images", root / "index"
     write_fault_folder(images)
-    proc = subprocess.run([sys.executable, "-m", "app.cli", "index", str(images), "--model", str(index_encoder),
+    proc = subprocess.run([sys.executable, "-m", "moco_retrieval", "index", str(images), "--model", str(index_encoder),
                            "--out", str(out), "--workers", "1", "--no-progress"], cwd=REPO, capture_output=True,
                           text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr
@@ -113,8 +113,8 @@ def test_fault_matrix__rerun_changes_nothing(matrix, tmp_path):
 # -- through the server ---------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def server(matrix):
-    from app.server import make_app
-    from serve.engine import EngineConfig, SearchEngine
+    from moco_retrieval.app.server import make_app
+    from moco_retrieval.serve.engine import EngineConfig, SearchEngine
 
     engine = SearchEngine(matrix.out, EngineConfig(device="cpu", threads=1, poll_seconds=0))
     running = RunningServer(make_app(engine))
@@ -189,8 +189,8 @@ def test_api__wrong_method_answers_405_with_allow(server):
 @pytest.fixture
 def swappable(tmp_path, index_encoder):
     """A small index whose files a test may replace, with a server over it."""
-    from app.server import make_app
-    from serve.engine import EngineConfig, SearchEngine
+    from moco_retrieval.app.server import make_app
+    from moco_retrieval.serve.engine import EngineConfig, SearchEngine
 
     images = tmp_path / "images"
     images.mkdir()
@@ -238,7 +238,7 @@ LIMIT = 1 << 20
 
 @pytest.fixture(scope="module")
 def small_limit_server(server):
-    from serve.http import create_app
+    from moco_retrieval.serve.http import create_app
 
     running = RunningServer(create_app(server.engine, max_upload_bytes=LIMIT))
     yield running
@@ -290,7 +290,7 @@ def test_upload_limit__reads_no_more_than_the_limit_whatever_the_application_doe
     """The middleware alone, driven by hand: a 64 MiB chunked body, an application that reads it all."""
     import asyncio
 
-    from serve.http import UploadLimit
+    from moco_retrieval.serve.http import UploadLimit
 
     read = 0
 
@@ -321,8 +321,7 @@ def test_upload_limit__reads_no_more_than_the_limit_whatever_the_application_doe
 
 # -- files that change while a run indexes them, and unreadable files -----------------------------------------
 def test_index__file_changed_or_deleted_after_the_scan(tmp_path, index_encoder, monkeypatch):
-    import indexer.build as build
-
+    import moco_retrieval.indexer.build as build
     images = tmp_path / "images"
     images.mkdir()
     for i in range(4):
@@ -366,7 +365,7 @@ def test_index__unreadable_file_and_folder_are_skipped_not_fatal(tmp_path, index
     out = tmp_path / "index"
     try:
         proc = subprocess.run(_without_permission_override(
-            [sys.executable, "-m", "app.cli", "index", str(images), "--model", str(index_encoder), "--out", str(out),
+            [sys.executable, "-m", "moco_retrieval", "index", str(images), "--model", str(index_encoder), "--out", str(out),
              "--workers", "0", "--no-progress"]), cwd=REPO, capture_output=True, text=True, timeout=120)
     finally:
         os.chmod(images / "locked", 0o755)

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from contracts.images import decode_image, walk_image_files
-from trainer import image_cache
-from trainer.demo_data import write_demo_dataset
-from trainer.image_cache import ImageCache, cache_side
+from moco_retrieval.contracts.images import decode_image, walk_image_files
+from moco_retrieval.trainer import image_cache
+from moco_retrieval.trainer.demo_data import write_demo_dataset
+from moco_retrieval.trainer.image_cache import ImageCache, cache_side
 
 
 @pytest.fixture

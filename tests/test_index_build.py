@@ -14,12 +14,12 @@ import faiss
 import numpy as np
 import pytest
 
-from contracts.errors import ArtifactError
-from indexer.build import IndexConfig, build_index_dir
-from indexer.encoder import OnnxEncoder
-from indexer.index_dir import IndexDirectory, current_generation
+from moco_retrieval.contracts.errors import ArtifactError
+from moco_retrieval.indexer.build import IndexConfig, build_index_dir
+from moco_retrieval.indexer.encoder import OnnxEncoder
+from moco_retrieval.indexer.index_dir import IndexDirectory, current_generation
 from tests.index_fixtures import index_encoder, other_encoder, write_corpus  # noqa: F401 (fixtures)
-from trainer.demo_data import draw_shape
+from moco_retrieval.trainer.demo_data import draw_shape
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -162,7 +162,7 @@ def test_index__incremental_add_delete_modify_then_unchanged(corpus, index_encod
 
 def test_index__resume_after_sigkill_equals_uninterrupted_run(shapes_dir, index_encoder, tmp_path):
     killed = tmp_path / "killed"
-    cmd = [sys.executable, "-m", "app.cli", "index", str(shapes_dir), "--model", str(index_encoder), "--out",
+    cmd = [sys.executable, "-m", "moco_retrieval", "index", str(shapes_dir), "--model", str(index_encoder), "--out",
            str(killed), "--workers", "0", "--batch-size", "2", "--shard-size", "2", "--no-progress"]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
@@ -210,12 +210,12 @@ _KILL_AT = {
 }
 _KILLED_RUN = """
 import os, signal, sys
-import indexer.build as build, indexer.faiss_index as faiss_index, indexer.layout as layout, indexer.update as update
-from indexer.shards import WorkShards
+import moco_retrieval.indexer.build as build, moco_retrieval.indexer.faiss_index as faiss_index, moco_retrieval.indexer.layout as layout, moco_retrieval.indexer.update as update
+from moco_retrieval.indexer.shards import WorkShards
 def die():
     os.kill(os.getpid(), signal.SIGKILL)
 {patch}
-from app.cli import main
+from moco_retrieval.app.cli import main
 sys.exit(main(sys.argv[1:]))
 """
 
@@ -330,7 +330,7 @@ def test_index__reader_of_old_generation_stays_valid_after_publish(corpus, index
 
 
 def _cli(*args, cwd=REPO) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "app.cli", *map(str, args)], cwd=cwd, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "moco_retrieval", *map(str, args)], cwd=cwd, capture_output=True,
                           text=True, timeout=120)
 
 

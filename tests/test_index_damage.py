@@ -27,8 +27,8 @@ from typing import Callable
 import numpy as np
 import pytest
 
-from indexer.build import IndexConfig, build_index_dir
-from indexer.index_dir import IndexDirectory
+from moco_retrieval.indexer.build import IndexConfig, build_index_dir
+from moco_retrieval.indexer.index_dir import IndexDirectory
 from tests._serve_helpers import write_colour_corpus
 from tests.index_fixtures import write_tiny_encoder
 
@@ -41,7 +41,7 @@ GONE = "green/green_000.png"  # indexed by g000002, deleted from the folder: eac
 # per command. A command that raises past main() is recorded as "traceback"; a signal ends the child.
 _DRIVER = r"""
 import json, os, sys, tempfile, traceback
-from app.cli import main
+from moco_retrieval.app.cli import main
 commands, results = json.loads(sys.argv[1]), sys.argv[2]
 for name, argv in commands:
     with open(results, "a") as f:
@@ -233,8 +233,8 @@ def answers(pristine, tmp_path_factory):
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_damaged_index__one_line_errors_and_nothing_lost(case, pristine, answers, tmp_path):
-    from contracts.errors import ArtifactError
-    from indexer.integrity import verify_index_dir
+    from moco_retrieval.contracts.errors import ArtifactError
+    from moco_retrieval.indexer.integrity import verify_index_dir
 
     index = tmp_path / "index"
     _copy_index(pristine.index, index, case)
@@ -315,8 +315,8 @@ def _assert_untouched(out: Path, generation: str = PREVIOUS) -> None:
 def test_disk_full__while_writing_the_vector_block_is_one_line_and_keeps_the_live_generation(tmp_path, monkeypatch):
     import errno
 
-    from contracts.errors import OutputError
-    from indexer import vectors
+    from moco_retrieval.contracts.errors import OutputError
+    from moco_retrieval.indexer import vectors
 
     cfg, emb, out = _synthetic_index(tmp_path)
 
@@ -346,8 +346,8 @@ def test_disk_full__free_space_is_checked_before_the_block_is_written(tmp_path, 
     import shutil as shutil_module
     from collections import namedtuple
 
-    from contracts import atomic
-    from contracts.errors import OutputError
+    from moco_retrieval.contracts import atomic
+    from moco_retrieval.contracts.errors import OutputError
 
     cfg, emb, out = _synthetic_index(tmp_path)
     usage = namedtuple("usage", "total used free")
@@ -380,7 +380,7 @@ def test_disk_full__a_small_tmpfs_at_every_fill_level_gives_one_line_never_a_sig
     encoder = write_tiny_encoder(tmp_path / "encoder.onnx", d=256)
     images = write_colour_corpus(tmp_path / "images", 60, seed=23)  # 240 images: 240 kB of vectors per copy
     full = tmp_path / "full"
-    argv = [sys.executable, "-m", "app.cli", "index", str(images), "--model", str(encoder), "--workers", "0",
+    argv = [sys.executable, "-m", "moco_retrieval", "index", str(images), "--model", str(encoder), "--workers", "0",
             "--no-progress", "--out"]
     subprocess.run(argv + [str(full)], cwd=REPO, check=True, capture_output=True, timeout=120)
     needed = sum(p.stat().st_size for p in full.rglob("*") if p.is_file()) + (len(list(full.rglob("*"))) << 12)
@@ -432,8 +432,8 @@ def _foreign_id(codes, ids):
                                              (_foreign_id, "the id 1000000000000, which it never gave out")],
                          ids=["score-1e36", "foreign-id"])
 def test_engine__refuses_a_result_only_damage_makes_and_logs_it_once(change, message, pristine, tmp_path, caplog):
-    from contracts.errors import ArtifactError
-    from serve.engine import EngineConfig, SearchEngine
+    from moco_retrieval.contracts.errors import ArtifactError
+    from moco_retrieval.serve.engine import EngineConfig, SearchEngine
 
     index = tmp_path / "index"
     shutil.copytree(pristine.index, index)
@@ -452,8 +452,8 @@ def test_engine__refuses_a_result_only_damage_makes_and_logs_it_once(change, mes
 def test_api__a_damaged_result_answers_409_in_one_line(pristine, tmp_path):
     import httpx
 
-    from app.server import make_app
-    from serve.engine import EngineConfig, SearchEngine
+    from moco_retrieval.app.server import make_app
+    from moco_retrieval.serve.engine import EngineConfig, SearchEngine
     from tests._serve_helpers import RunningServer
 
     index = tmp_path / "index"
@@ -471,7 +471,7 @@ def test_api__a_damaged_result_answers_409_in_one_line(pristine, tmp_path):
 
 
 def test_compaction__over_a_damaged_vector_block_is_refused_and_publishes_nothing(tmp_path):
-    from contracts.errors import ArtifactError
+    from moco_retrieval.contracts.errors import ArtifactError
 
     cfg, emb, out = _synthetic_index(tmp_path)
     block = out / "vectors" / "g000001.vec.npy"
@@ -485,7 +485,7 @@ def test_compaction__over_a_damaged_vector_block_is_refused_and_publishes_nothin
 
 
 def test_verify__before_an_update_finds_damage_only_a_hash_sees(tmp_path):
-    from contracts.errors import ArtifactError
+    from moco_retrieval.contracts.errors import ArtifactError
 
     cfg, emb, out = _synthetic_index(tmp_path)
     _garble(lambda n: n // 2)(out / "generations" / PREVIOUS / "vectors.faiss")
@@ -497,7 +497,7 @@ def test_verify__before_an_update_finds_damage_only_a_hash_sees(tmp_path):
 def test_manifest__version_2_without_checksums_still_opens_verifies_and_updates(pristine, tmp_path):
     """A generation written before checksums were recorded: it opens and serves unverified, --verify says so,
     and the next update records them (hashing the shared base once)."""
-    from indexer.integrity import verify_index_dir
+    from moco_retrieval.indexer.integrity import verify_index_dir
 
     index = tmp_path / "index"
     shutil.copytree(pristine.index, index)
@@ -524,7 +524,7 @@ def test_serve__refuses_to_start_on_a_damaged_index_in_one_line(pristine, tmp_pa
     shutil.copytree(pristine.index, index)
     DAMAGES["truncated"](index / "generations" / LIVE / "delta.lmdb" / "data.mdb")
     for workers in ("1", "2"):
-        proc = subprocess.run([sys.executable, "-m", "app.cli", "serve", str(index), "--port", "0", "--workers",
+        proc = subprocess.run([sys.executable, "-m", "moco_retrieval", "serve", str(index), "--port", "0", "--workers",
                                workers, "--device", "cpu", "--no-ui"], cwd=REPO, capture_output=True, text=True,
                               timeout=60)
         error = check_one_line(f"serve --workers {workers}", {"rc": proc.returncode, "stderr": proc.stderr})
@@ -532,7 +532,7 @@ def test_serve__refuses_to_start_on_a_damaged_index_in_one_line(pristine, tmp_pa
 
 
 def test_engine__keeps_serving_when_a_damaged_generation_is_published_and_says_so_once(pristine, tmp_path, caplog):
-    from serve.engine import EngineConfig, SearchEngine
+    from moco_retrieval.serve.engine import EngineConfig, SearchEngine
 
     index = tmp_path / "index"
     shutil.copytree(pristine.index, index)
@@ -555,8 +555,8 @@ def test_engine__keeps_serving_when_a_damaged_generation_is_published_and_says_s
 def test_ivfpq_on_disk__its_trained_and_list_files_are_checked_too(name, tmp_path):
     """The files only IVF indexes have: truncated, an open refuses them; garbled, --verify (and every update,
     for the trained lists it copies) does."""
-    from contracts.errors import ArtifactError
-    from indexer.integrity import verify_index_dir
+    from moco_retrieval.contracts.errors import ArtifactError
+    from moco_retrieval.indexer.integrity import verify_index_dir
     from tests.index_fixtures import SyntheticEmbedder, touch_files
 
     data, out = tmp_path / "images", tmp_path / "index"

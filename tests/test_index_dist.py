@@ -13,9 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from indexer.build import IndexConfig, build_index_dir
-from indexer.index_dir import IndexDirectory
-from indexer.ranks import part_of_plan, plan_digest
+from moco_retrieval.indexer.build import IndexConfig, build_index_dir
+from moco_retrieval.indexer.index_dir import IndexDirectory
+from moco_retrieval.indexer.ranks import part_of_plan, plan_digest
 from tests.index_fixtures import index_encoder  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.dist
@@ -30,7 +30,7 @@ def _index_args(data: Path, model: Path, out: Path, *extra: str) -> list[str]:
 
 def _torchrun(args: list[str], ranks: int = 2, timeout: int = 240) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           f"--nproc_per_node={ranks}", "-m", "app.cli", *args], cwd=REPO, env=ENV,
+                           f"--nproc_per_node={ranks}", "-m", "moco_retrieval", *args], cwd=REPO, env=ENV,
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -73,7 +73,7 @@ def test_index_ranks__two_torchrun_ranks_equal_one_process(shapes_dir, index_enc
 
 def _launch_rank(rank: int, args: list[str]) -> subprocess.Popen:
     env = {**ENV, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2"}
-    return subprocess.Popen([sys.executable, "-m", "app.cli", *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
+    return subprocess.Popen([sys.executable, "-m", "moco_retrieval", *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 
 
@@ -111,16 +111,16 @@ def test_index_ranks__a_killed_rank_resumes_on_rerun(shapes_dir, index_encoder, 
 
 
 def test_rendezvous__a_stale_marker_of_the_same_work_counts(tmp_path):
-    from contracts.launch import WorldInfo
-    from indexer.ranks import Rendezvous
-    from indexer.scan import ScanEntry
+    from moco_retrieval.contracts.launch import WorldInfo
+    from moco_retrieval.indexer.ranks import Rendezvous
+    from moco_retrieval.indexer.scan import ScanEntry
 
     entries = [ScanEntry(f"{i}.png", None, i, i) for i in range(10)]
     peer = Rendezvous(tmp_path, WorldInfo(1, 1, 2, 2))
     peer.mark_done(plan_digest(part_of_plan(entries, 1, 2, 3)), 4)
     rank0 = Rendezvous(tmp_path, WorldInfo(0, 0, 2, 2), timeout_s=0.5)
     rank0.wait_for_peers({1: plan_digest(part_of_plan(entries, 1, 2, 3))})  # returns at once
-    from contracts.errors import IndexBuildError
+    from moco_retrieval.contracts.errors import IndexBuildError
 
     with pytest.raises(IndexBuildError, match="rank 1 of 2 made no progress"):
         rank0.wait_for_peers({1: plan_digest(part_of_plan(entries[:-1], 1, 2, 3))})  # other work: waits, gives up

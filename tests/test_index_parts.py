@@ -10,14 +10,14 @@ import faiss
 import numpy as np
 import pytest
 
-from contracts.atomic import output_errors
-from contracts.errors import ArtifactError, ConfigError, DataError, OutputError
-from indexer import metadata
-from indexer.faiss_index import build_index, choose_factory, exact_knn, recall_at_k
-from indexer.layout import IndexLayout, current_generation
-from indexer.metadata import MetadataStore
-from indexer.scan import read_labels_csv, scan_folder
-from indexer.shards import WorkShards, discard_other_models
+from moco_retrieval.contracts.atomic import output_errors
+from moco_retrieval.contracts.errors import ArtifactError, ConfigError, DataError, OutputError
+from moco_retrieval.indexer import metadata
+from moco_retrieval.indexer.faiss_index import build_index, choose_factory, exact_knn, recall_at_k
+from moco_retrieval.indexer.layout import IndexLayout, current_generation
+from moco_retrieval.indexer.metadata import MetadataStore
+from moco_retrieval.indexer.scan import read_labels_csv, scan_folder
+from moco_retrieval.indexer.shards import WorkShards, discard_other_models
 
 
 def _clustered(n: int, d: int = 32, clusters: int = 20, seed: int = 0) -> np.ndarray:
@@ -84,7 +84,7 @@ def test_build_index__ids_kept_recall_measured_and_stored_on_cpu(index_type, tmp
 
 
 def test_build_index__wrong_count_is_an_index_build_error():
-    from contracts.errors import IndexBuildError
+    from moco_retrieval.contracts.errors import IndexBuildError
 
     xb = _clustered(100, 8)
     with pytest.raises(IndexBuildError, match="expected 150"):

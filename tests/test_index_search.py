@@ -8,14 +8,14 @@ import faiss
 import numpy as np
 import pytest
 
-from contracts.errors import ConfigError
-from indexer import faiss_gpu
-from indexer.build import IndexConfig, build_index_dir
-from indexer.faiss_index import build_index, exact_knn, read_index, recall_at_k
-from indexer.index_dir import IndexDirectory
-from indexer.layout import IndexLayout
-from indexer.searcher import GPU_MAX_K, LayeredIndex
-from indexer.vectors import BlockVectors, BlockWriter
+from moco_retrieval.contracts.errors import ConfigError
+from moco_retrieval.indexer import faiss_gpu
+from moco_retrieval.indexer.build import IndexConfig, build_index_dir
+from moco_retrieval.indexer.faiss_index import build_index, exact_knn, read_index, recall_at_k
+from moco_retrieval.indexer.index_dir import IndexDirectory
+from moco_retrieval.indexer.layout import IndexLayout
+from moco_retrieval.indexer.searcher import GPU_MAX_K, LayeredIndex
+from moco_retrieval.indexer.vectors import BlockVectors, BlockWriter
 from tests.index_fixtures import SyntheticEmbedder, touch_files
 
 

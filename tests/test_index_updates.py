@@ -8,11 +8,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from indexer import build as build_module
-from indexer import update
-from indexer.build import IndexConfig, build_index_dir
-from indexer.index_dir import IndexDirectory, current_generation
-from indexer.metadata import MetadataStore
+from moco_retrieval.indexer import build as build_module
+from moco_retrieval.indexer import update
+from moco_retrieval.indexer.build import IndexConfig, build_index_dir
+from moco_retrieval.indexer.index_dir import IndexDirectory, current_generation
+from moco_retrieval.indexer.metadata import MetadataStore
 from tests.index_fixtures import SyntheticEmbedder, touch_files
 
 N = 600

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer.demo_data import write_demo_dataset
+from moco_retrieval.trainer.demo_data import write_demo_dataset
 
 # the module fixture trains for ~9 minutes on two cores: above the suite's 900 s per-test limit on a slower machine
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
@@ -51,7 +51,7 @@ def trained(tmp_path_factory) -> dict[str, dict]:
     runs = {}
     for name, (epochs, _, options) in RECIPES.items():
         log = open(root / f"{name}.log", "w")
-        cmd = [sys.executable, "-m", "app.cli", "train", str(data), "--out", str(root / name), *COMMON, *options,
+        cmd = [sys.executable, "-m", "moco_retrieval", "train", str(data), "--out", str(root / name), *COMMON, *options,
                "--epochs", str(epochs), "--knn-every", str(epochs)]
         runs[name] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO), log)
     results = {}

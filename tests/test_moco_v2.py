@@ -7,17 +7,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from contracts.errors import ConfigError
-from trainer.backbones import SplitBatchNorm2d, build_resnet
-from trainer.config import TrainConfig
-from trainer.moco import (
+from moco_retrieval.contracts.errors import ConfigError
+from moco_retrieval.trainer.backbones import SplitBatchNorm2d, build_resnet
+from moco_retrieval.trainer.config import TrainConfig
+from moco_retrieval.trainer.moco import (
     MoCoV2,
     batch_shuffle,
     batch_unshuffle,
     info_nce_logits,
     momentum_update_,
 )
-from trainer.schedule import Schedule
+from moco_retrieval.trainer.schedule import Schedule
 
 
 def test_info_nce_logits__match_hand_computation():

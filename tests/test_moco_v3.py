@@ -11,14 +11,14 @@ import torch
 import torch.nn.functional as F
 from timm.layers import build_sincos2d_pos_embed
 
-from contracts.errors import ConfigError
+from moco_retrieval.contracts.errors import ConfigError
 from tests.conftest import resolved_config, tiny_train_config
-from trainer.batch_augment import MOCO_V3_VIEWS
-from trainer.config import TrainConfig, add_arguments, from_arguments
-from trainer.lars import LARS
-from trainer.moco import MoCoV3, contrastive_loss
-from trainer.train import train
-from trainer.variants import MoCoV2Variant, build_model, variant_for
+from moco_retrieval.trainer.batch_augment import MOCO_V3_VIEWS
+from moco_retrieval.trainer.config import TrainConfig, add_arguments, from_arguments
+from moco_retrieval.trainer.lars import LARS
+from moco_retrieval.trainer.moco import MoCoV3, contrastive_loss
+from moco_retrieval.trainer.train import train
+from moco_retrieval.trainer.variants import MoCoV2Variant, build_model, variant_for
 
 
 def build_optimizer(cfg: TrainConfig, model):
@@ -52,7 +52,7 @@ def test_contrastive_loss__is_cross_entropy_scaled_by_two_t():
 
 
 def test_contrastive_loss__positives_sit_in_this_ranks_slice_of_the_gathered_keys(monkeypatch):
-    from trainer import dist
+    from moco_retrieval.trainer import dist
 
     torch.manual_seed(0)
     q_all, k_all = torch.randn(8, 4), torch.randn(8, 4)

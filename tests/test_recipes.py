@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from trainer.config import TrainConfig
-from trainer.recipes import resolve_before_training, resolve_schedule
-from trainer.variants import variant_for
+from moco_retrieval.trainer.config import TrainConfig
+from moco_retrieval.trainer.recipes import resolve_before_training, resolve_schedule
+from moco_retrieval.trainer.variants import variant_for
 
 
 def _resolve(num_images: int, total_steps: int | None = None, on_gpu: bool = False, **options) -> TrainConfig:

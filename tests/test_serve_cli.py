@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from app.cli import main
+from moco_retrieval.app.cli import main
 from tests._serve_helpers import free_port
 
 pytest_plugins = ("tests._serve_fixtures",)  # the shared serving fixtures (index, engine, server)
@@ -49,7 +49,7 @@ def test_search_cli__bad_image_or_k_is_a_one_line_error(served_index, tmp_path, 
 def test_serve_cli__serves_until_interrupted_and_refuses_a_busy_port(served_index, serve_corpus):
     port = free_port()
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", str(served_index), "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "moco_retrieval", "serve", str(served_index), "--port", str(port),
                              "--device", "cpu", "--threads", "1"], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -61,7 +61,7 @@ def test_serve_cli__serves_until_interrupted_and_refuses_a_busy_port(served_inde
         r = httpx.post(url + "/api/search", files={"image": ("q.png", query.read_bytes())}, timeout=30)
         assert r.json()["results"][0]["path"] == "blue/blue_003.png"
         assert httpx.get(url + "/", timeout=10).status_code == 200  # the Gradio page
-        busy = subprocess.run([sys.executable, "-m", "app.cli", "serve", str(served_index), "--port", str(port)],
+        busy = subprocess.run([sys.executable, "-m", "moco_retrieval", "serve", str(served_index), "--port", str(port)],
                               cwd=ROOT, capture_output=True, text=True, timeout=60)
         assert busy.returncode == 2 and "already in use" in busy.stderr
     finally:
@@ -75,7 +75,7 @@ def test_serve_cli__serves_until_interrupted_and_refuses_a_busy_port(served_inde
 
 
 def test_demo_cli__serves_at_the_end_unless_no_serve():
-    from app.cli import build_parser
+    from moco_retrieval.app.cli import build_parser
 
     assert build_parser().parse_args(["demo"]).serve is True
     args = build_parser().parse_args(["demo", "--no-serve", "--port", "9000"])

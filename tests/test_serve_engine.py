@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from contracts.errors import ArtifactError, ConfigError, DataError
-from indexer.encoder import OnnxEncoder
-from serve.engine import EngineConfig, SearchEngine, UnknownItemError, knn_vote
+from moco_retrieval.contracts.errors import ArtifactError, ConfigError, DataError
+from moco_retrieval.indexer.encoder import OnnxEncoder
+from moco_retrieval.serve.engine import EngineConfig, SearchEngine, UnknownItemError, knn_vote
 from tests._serve_helpers import (
     build_index,
     build_index_in_subprocess,

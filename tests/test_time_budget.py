@@ -9,12 +9,12 @@ import time
 
 import pytest
 
-from contracts.errors import ConfigError
+from moco_retrieval.contracts.errors import ConfigError
 from tests.conftest import tiny_train_config
-from trainer.checkpoint import load_checkpoint
-from trainer.config import parse_duration
-from trainer.schedule import TimeBudget
-from trainer.train import train
+from moco_retrieval.trainer.checkpoint import load_checkpoint
+from moco_retrieval.trainer.config import parse_duration
+from moco_retrieval.trainer.schedule import TimeBudget
+from moco_retrieval.trainer.train import train
 
 
 def test_parse_duration__units_and_errors():
@@ -55,7 +55,7 @@ def test_train__tiny_budget_stops_on_time_with_a_checkpoint(shapes_dir, tmp_path
 
 def test_train__interrupted_budget_run_continues_to_the_same_plan(shapes_dir, tmp_path):
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "app.cli", "train", str(shapes_dir), "--out", str(run), "--arch", "resnet18",
+    cmd = [sys.executable, "-m", "moco_retrieval", "train", str(shapes_dir), "--out", str(run), "--arch", "resnet18",
            "--image-size", "32", "--batch-size", "8", "--queue-size", "16", "--time-budget", "14s", "--workers", "0",
            "--device", "cpu", "--knn-every", "0", "--log-every", "1"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -9,12 +9,12 @@ import sys
 import pytest
 import torch
 
-from app.cli import main
-from contracts.errors import ArtifactError
+from moco_retrieval.app.cli import main
+from moco_retrieval.contracts.errors import ArtifactError
 from tests.conftest import tiny_train_config
-from trainer.checkpoint import load_checkpoint
-from trainer.demo_data import write_demo_dataset
-from trainer.train import train
+from moco_retrieval.trainer.checkpoint import load_checkpoint
+from moco_retrieval.trainer.demo_data import write_demo_dataset
+from moco_retrieval.trainer.train import train
 
 
 def _cli(*args: str) -> list[str]:
@@ -53,7 +53,7 @@ def test_train__queue_not_multiple_of_batch_is_refused(shapes_dir, tmp_path, cap
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a usable GPU")
 def test_train__cuda_without_gpu_is_refused(shapes_dir, tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "app.cli", "train", str(shapes_dir), "--out", str(tmp_path / "run"), "--device", "cuda",
+        [sys.executable, "-m", "moco_retrieval", "train", str(shapes_dir), "--out", str(tmp_path / "run"), "--device", "cuda",
          "--batch-size", "16", "--queue-size", "64"], capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 2
@@ -129,8 +129,8 @@ def test_load_checkpoint__foreign_and_corrupt_files_are_artifact_errors(tmp_path
 
 
 def test_fit_queue_to_data__caps_queue_at_half_the_images():
-    from contracts.errors import DataError
-    from trainer.recipes import fit_queue_to_data
+    from moco_retrieval.contracts.errors import DataError
+    from moco_retrieval.trainer.recipes import fit_queue_to_data
 
     assert fit_queue_to_data(256, 64, 10_000) == (256, None)  # small queue: unchanged
     assert fit_queue_to_data(65536, 64, 1000)[0] == 448  # half of 1000, down to a multiple of 64
@@ -143,7 +143,7 @@ def test_train__ctrl_c_saves_mid_epoch_and_rerun_finishes_the_same_schedule(shap
     import time
 
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "app.cli", "train", str(shapes_dir), "--out", str(run), "--arch", "resnet18",
+    cmd = [sys.executable, "-m", "moco_retrieval", "train", str(shapes_dir), "--out", str(run), "--arch", "resnet18",
            "--stem", "imagenet", "--image-size", "32", "--batch-size", "8", "--queue-size", "16", "--epochs", "1",
            "--workers", "0", "--device", "cpu", "--knn-every", "0", "--log-every", "1"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -168,8 +168,7 @@ def test_train__ctrl_c_saves_mid_epoch_and_rerun_finishes_the_same_schedule(shap
 def test_train__ctrl_c_between_epochs_keeps_the_finished_epoch(shapes_dir, tmp_path, monkeypatch):
     """A Ctrl-C during an epoch's end (metrics, evaluation, plot) used to lose every step since the last
     checkpoint (checkpoints are written at most once a minute)."""
-    import trainer.train as train_module
-
+    import moco_retrieval.trainer.train as train_module
     real_append = train_module._append_jsonl
 
     def interrupt_at_first_epoch_row(path, row):
@@ -230,6 +229,6 @@ def test_load_checkpoint__format_1_checkpoints_with_numpy_rng_state_still_load(t
     torch.save(old, tmp_path / "old.pt")
     ckpt = load_checkpoint(tmp_path / "old.pt")
     assert ckpt["format_version"] == 1 and ckpt["rng"]["numpy"][0] == "MT19937"
-    from trainer.checkpoint import set_rng_state
+    from moco_retrieval.trainer.checkpoint import set_rng_state
 
     set_rng_state(ckpt["rng"])  # the old tuple form is still understood

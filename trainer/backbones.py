@@ -15,8 +15,8 @@ from timm.layers import build_sincos2d_pos_embed
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
-from contracts.errors import ConfigError
-from trainer.config import RESNETS, VITS
+from moco_retrieval.contracts.errors import ConfigError
+from moco_retrieval.trainer.config import RESNETS, VITS
 
 
 class SplitBatchNorm2d(nn.BatchNorm2d):

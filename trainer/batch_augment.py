@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from contracts.encoder_format import IMAGENET_MEAN, IMAGENET_STD
+from moco_retrieval.contracts.encoder_format import IMAGENET_MEAN, IMAGENET_STD
 
 GRAY_WEIGHTS = (0.2989, 0.587, 0.114)  # torchvision's rgb_to_grayscale
 SOLARIZE_THRESHOLD = 128 / 255  # RandomSolarize(threshold=128) on uint8 pixels

@@ -20,8 +20,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from contracts.atomic import atomic_write
-from contracts.errors import ArtifactError
+from moco_retrieval.contracts.atomic import atomic_write
+from moco_retrieval.contracts.errors import ArtifactError
 
 LOG = logging.getLogger(__name__)
 

@@ -17,8 +17,8 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from contracts.errors import ConfigError
-from contracts.knn import KNN_K, KNN_TEMPERATURE
+from moco_retrieval.contracts.errors import ConfigError
+from moco_retrieval.contracts.knn import KNN_K, KNN_TEMPERATURE
 
 RESNETS = ("resnet18", "resnet34", "resnet50")
 VITS = ("vit_tiny", "vit_small", "vit_base")

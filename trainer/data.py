@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler
 
-from trainer.image_cache import CachedImages
+from moco_retrieval.trainer.image_cache import CachedImages
 
 
 class CachedBatchDataset(Dataset):

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from contracts.errors import ConfigError
+from moco_retrieval.contracts.errors import ConfigError
 
 
 def resolve_device(name: str, local_rank: int = 0) -> torch.device:

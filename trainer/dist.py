@@ -21,7 +21,7 @@ import logging
 import torch
 import torch.distributed as tdist
 
-from contracts.launch import WorldInfo, world_info_from_env  # noqa: F401 (re-exported: the one home)
+from moco_retrieval.contracts.launch import WorldInfo, world_info_from_env  # noqa: F401 (re-exported: the one home)
 
 LOG = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torchvision.transforms import v2 as T
 
-from contracts.encoder_format import IMAGENET_MEAN, IMAGENET_STD
+from moco_retrieval.contracts.encoder_format import IMAGENET_MEAN, IMAGENET_STD
 
 
 def eval_transform(image_size: int) -> T.Compose:

@@ -24,15 +24,15 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
-from contracts.atomic import output_errors, write_json_atomic
-from contracts.encoder_format import RESIZE_POLICY
-from contracts.errors import DataError
-from contracts.images import decode_image
-from contracts.knn import EVAL_KS, KNN_TEMPERATURE
-from trainer.checkpoint import resolve_checkpoint
-from trainer.eval_transform import eval_transform
-from trainer.imagefolder import scan_image_folder
-from trainer.knn import knn_predict
+from moco_retrieval.contracts.atomic import output_errors, write_json_atomic
+from moco_retrieval.contracts.encoder_format import RESIZE_POLICY
+from moco_retrieval.contracts.errors import DataError
+from moco_retrieval.contracts.images import decode_image
+from moco_retrieval.contracts.knn import EVAL_KS, KNN_TEMPERATURE
+from moco_retrieval.trainer.checkpoint import resolve_checkpoint
+from moco_retrieval.trainer.eval_transform import eval_transform
+from moco_retrieval.trainer.imagefolder import scan_image_folder
+from moco_retrieval.trainer.knn import knn_predict
 
 LOG = logging.getLogger(__name__)
 
@@ -103,8 +103,8 @@ class CheckpointEmbedder:
 
     def __init__(self, path: str | Path, device: str = "auto", batch_size: int = 256, workers: int = 0):
         # the export's loader: the same checks and the same backbone as `moco export` (heavy imports, so lazy)
-        from trainer.device import resolve_device
-        from trainer.export import embedding_dim, load_backbone
+        from moco_retrieval.trainer.device import resolve_device
+        from moco_retrieval.trainer.export import embedding_dim, load_backbone
 
         self.path = resolve_checkpoint(path)
         backbone, self.config, ckpt = load_backbone(self.path)

@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from contracts.atomic import atomic_path, output_errors
-from contracts.encoder_format import (
+from moco_retrieval.contracts.atomic import atomic_path, output_errors
+from moco_retrieval.contracts.encoder_format import (
     ENCODER_FORMAT,
     ENCODER_FORMAT_VERSION,
     IMAGENET_MEAN,
@@ -39,14 +39,14 @@ from contracts.encoder_format import (
     RESIZE_POLICY,
     encode_metadata,
 )
-from contracts.errors import (
+from moco_retrieval.contracts.errors import (
     ArtifactError,
     ConfigError,
     DataError,
     ExportError,
     OutputError,
 )
-from contracts.images import check_image, decode_image, iter_image_files
+from moco_retrieval.contracts.images import check_image, decode_image, iter_image_files
 
 LOG = logging.getLogger(__name__)
 
@@ -146,9 +146,9 @@ def load_backbone(checkpoint: str | Path) -> tuple[nn.Module, "TrainConfig", dic
         ArtifactError: missing or unreadable file, not a moco-retrieval checkpoint, or weights that do not
             fit the configuration stored with them.
     """
-    from trainer.checkpoint import load_checkpoint
-    from trainer.config import TrainConfig
-    from trainer.variants import build_model
+    from moco_retrieval.trainer.checkpoint import load_checkpoint
+    from moco_retrieval.trainer.config import TrainConfig
+    from moco_retrieval.trainer.variants import build_model
 
     if Path(checkpoint).suffix.lower() == ".onnx":
         raise ArtifactError(f"{checkpoint} is an ONNX file, not a checkpoint; pass the run directory or a "
@@ -211,7 +211,7 @@ def verification_images(data_dir: str | None, image_size: int, count: int = max(
                 return batch, f"{count} images from {data_dir}"
             except DataError as exc:
                 LOG.warning("cannot use images of %s for verification (%s); using generated ones", data_dir, exc)
-    from trainer.demo_data import CLASSES, draw_shape
+    from moco_retrieval.trainer.demo_data import CLASSES, draw_shape
 
     rng = np.random.default_rng(0)
     batch = np.stack([np.asarray(draw_shape(CLASSES[i % len(CLASSES)], rng, image_size)) for i in range(count)])

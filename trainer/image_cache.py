@@ -41,10 +41,10 @@ from typing import Iterator
 import numpy as np
 from PIL import Image
 
-from contracts.atomic import output_errors, write_json_atomic
-from contracts.errors import DataError
-from contracts.filenames import display_name
-from contracts.images import FoundFile, decode_image
+from moco_retrieval.contracts.atomic import output_errors, write_json_atomic
+from moco_retrieval.contracts.errors import DataError
+from moco_retrieval.contracts.filenames import display_name
+from moco_retrieval.contracts.images import FoundFile, decode_image
 
 LOG = logging.getLogger(__name__)
 

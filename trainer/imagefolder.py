@@ -11,8 +11,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from contracts.errors import DataError
-from contracts.images import check_image, no_images_message, walk_image_files
+from moco_retrieval.contracts.errors import DataError
+from moco_retrieval.contracts.images import check_image, no_images_message, walk_image_files
 
 LOG = logging.getLogger(__name__)
 

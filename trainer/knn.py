@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from contracts.knn import KNN_K, KNN_TEMPERATURE
+from moco_retrieval.contracts.knn import KNN_K, KNN_TEMPERATURE
 
 
 @torch.no_grad()

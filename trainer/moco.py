@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainer import dist
+from moco_retrieval.trainer import dist
 
 
 class Encoder(nn.Module):

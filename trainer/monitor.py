@@ -18,14 +18,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from contracts.encoder_format import IMAGENET_MEAN, IMAGENET_STD, resized_size
-from contracts.errors import DataError
-from contracts.images import walk_image_files
-from contracts.knn import KNN_K, KNN_TEMPERATURE
-from trainer.batch_augment import crop_resize
-from trainer.data import CachedBatchDataset, eval_batches
-from trainer.image_cache import ImageCache, cache_side
-from trainer.knn import knn_accuracy
+from moco_retrieval.contracts.encoder_format import IMAGENET_MEAN, IMAGENET_STD, resized_size
+from moco_retrieval.contracts.errors import DataError
+from moco_retrieval.contracts.images import walk_image_files
+from moco_retrieval.contracts.knn import KNN_K, KNN_TEMPERATURE
+from moco_retrieval.trainer.batch_augment import crop_resize
+from moco_retrieval.trainer.data import CachedBatchDataset, eval_batches
+from moco_retrieval.trainer.image_cache import ImageCache, cache_side
+from moco_retrieval.trainer.knn import knn_accuracy
 
 LOG = logging.getLogger(__name__)
 

@@ -18,9 +18,9 @@ from __future__ import annotations
 import logging
 import math
 
-from contracts.errors import ConfigError, DataError
-from trainer.config import TrainConfig
-from trainer.variants import (
+from moco_retrieval.contracts.errors import ConfigError, DataError
+from moco_retrieval.trainer.config import TrainConfig
+from moco_retrieval.trainer.variants import (
     MoCoV2Variant,
     MoCoV3ResNetVariant,
     MoCoV3ViTVariant,

@@ -22,12 +22,12 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from contracts.atomic import link_or_copy_atomic, write_text_atomic
-from contracts.errors import ConfigError, DataError, OutputError
-from contracts.images import no_images_message, walk_image_files
-from trainer import dist
-from trainer.batch_augment import TwoViewAugment
-from trainer.checkpoint import (
+from moco_retrieval.contracts.atomic import link_or_copy_atomic, write_text_atomic
+from moco_retrieval.contracts.errors import ConfigError, DataError, OutputError
+from moco_retrieval.contracts.images import no_images_message, walk_image_files
+from moco_retrieval.trainer import dist
+from moco_retrieval.trainer.batch_augment import TwoViewAugment
+from moco_retrieval.trainer.checkpoint import (
     CHECKPOINT_FORMAT,
     CHECKPOINT_VERSION,
     LAST,
@@ -36,19 +36,19 @@ from trainer.checkpoint import (
     save_atomic,
     set_rng_state,
 )
-from trainer.config import RESUME_MUST_MATCH, TrainConfig
-from trainer.data import CachedBatchDataset, epoch_sampler, training_loader
-from trainer.device import resolve_amp, resolve_device
-from trainer.image_cache import ImageCache, cache_side
-from trainer.monitor import KnnMonitor
-from trainer.plots import plot_metrics
-from trainer.recipes import (
+from moco_retrieval.trainer.config import RESUME_MUST_MATCH, TrainConfig
+from moco_retrieval.trainer.data import CachedBatchDataset, epoch_sampler, training_loader
+from moco_retrieval.trainer.device import resolve_amp, resolve_device
+from moco_retrieval.trainer.image_cache import ImageCache, cache_side
+from moco_retrieval.trainer.monitor import KnnMonitor
+from moco_retrieval.trainer.plots import plot_metrics
+from moco_retrieval.trainer.recipes import (
     MONITOR_EVALUATIONS,
     resolve_before_training,
     resolve_schedule,
 )
-from trainer.schedule import Schedule, TimeBudget
-from trainer.variants import Variant, variant_for
+from moco_retrieval.trainer.schedule import Schedule, TimeBudget
+from moco_retrieval.trainer.variants import Variant, variant_for
 
 LOG = logging.getLogger(__name__)
 

@@ -15,12 +15,12 @@ import math
 import torch
 from torch import nn
 
-from contracts.errors import ConfigError
-from trainer.backbones import build_resnet, build_vit
-from trainer.batch_augment import MOCO_V2_VIEW, MOCO_V3_VIEWS, ViewSpec
-from trainer.config import RESNETS, VITS, TrainConfig
-from trainer.lars import LARS
-from trainer.moco import MoCo, MoCoV2, MoCoV3
+from moco_retrieval.contracts.errors import ConfigError
+from moco_retrieval.trainer.backbones import build_resnet, build_vit
+from moco_retrieval.trainer.batch_augment import MOCO_V2_VIEW, MOCO_V3_VIEWS, ViewSpec
+from moco_retrieval.trainer.config import RESNETS, VITS, TrainConfig
+from moco_retrieval.trainer.lars import LARS
+from moco_retrieval.trainer.moco import MoCo, MoCoV2, MoCoV3
 
 MIN_BN_GROUP = 16  # split-BN groups of fewer images give statistics too noisy to learn from (4 per group stalls)
 
