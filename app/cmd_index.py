@@ -52,6 +52,13 @@ examples:
   moco index photos/ --model new_encoder.onnx --out photos.index --rebuild   # another model: start over
   moco index photos/ --model encoder.onnx --out photos.index --changed-list new_and_deleted.txt
   moco index tiles/ --model encoder.onnx --out tiles.index --max-index-memory 8G  # IVF-PQ on disk past 8 GiB
+  moco index --verify --out photos.index     # check every file against the sha256 its manifest recorded
+
+damaged files:
+  Each generation's manifest records the size and sha256 of its files. Opening a generation checks the sizes,
+  an update also hashes the small files it reads, a compaction everything it rebuilds from, and --verify every
+  file. A damaged file is refused in one line naming it, with an older generation that is intact if there is
+  one; the live generation is never replaced by a damaged one.
 """
 
 
@@ -60,8 +67,10 @@ def register(sub) -> None:
                        description="Embed every image of IMAGE_DIR with an exported encoder and build a searchable "
                                    "index directory; rerun to update it incrementally.",
                        epilog=EPILOG_INDEX, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("image_dir", metavar="IMAGE_DIR", help="folder of images (searched recursively)")
-    p.add_argument("--model", required=True, metavar="ENCODER_ONNX", help="encoder.onnx written by `moco export`")
+    p.add_argument("image_dir", metavar="IMAGE_DIR", nargs="?",
+                   help="folder of images (searched recursively); not needed with --verify alone")
+    p.add_argument("--model", metavar="ENCODER_ONNX",
+                   help="encoder.onnx written by `moco export` (required unless --verify is given alone)")
     p.add_argument("--out", required=True, metavar="INDEX_DIR", help="index directory to create or update")
     p.add_argument("--index-type", default="auto", metavar="TYPE",
                    help="auto, flat, hnsw, ivf, ivfpq or a FAISS factory string (default auto; see below)")
@@ -90,19 +99,29 @@ def register(sub) -> None:
                         "folder is not rescanned")
     p.add_argument("--rank-timeout", type=float, default=None, metavar="SECONDS",
                    help="under torchrun: how long rank 0 waits for a rank that makes no progress (default 600)")
+    p.add_argument("--verify", action="store_true",
+                   help="check the sha256 of every file of the live generation against its manifest (otherwise "
+                        "their sizes are checked, and the hashes of what an update reads); alone (`moco index "
+                        "--verify --out INDEX_DIR`) it only checks, else it checks before updating")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (for logs)")
     p.set_defaults(func=cmd_index)
 
 
 def cmd_index(args: argparse.Namespace) -> int:
+    from moco_retrieval.contracts.errors import ConfigError
     from moco_retrieval.indexer.build import IndexConfig, build_index_dir
 
+    if args.verify and args.image_dir is None and args.model is None:
+        return cmd_verify(args.out)
+    if args.image_dir is None or args.model is None:
+        raise ConfigError("moco index needs IMAGE_DIR and --model (only `moco index --verify --out INDEX_DIR` "
+                          "checks an index without them)")
     optional = {"workers": args.workers, "target_recall": args.target_recall, "rank_timeout": args.rank_timeout}
     cfg = IndexConfig(
         image_dir=args.image_dir, model=args.model, out_dir=args.out, index_type=args.index_type,
         batch_size=args.batch_size, device=args.device, labels_csv=args.labels, rebuild=args.rebuild,
         shard_size=args.shard_size, progress=not args.no_progress, max_index_memory=args.max_index_memory,
-        compact=args.compact, changed_list=args.changed_list,
+        compact=args.compact, changed_list=args.changed_list, verify=args.verify,
         **{k: v for k, v in optional.items() if v is not None},
     )
     result = build_index_dir(cfg)
@@ -113,6 +132,25 @@ def cmd_index(args: argparse.Namespace) -> int:
               + f" in {t.get('embed', 0):.1f} s; rank 0 builds and publishes")
         return 0
     print_index_result(result)
+    return 0
+
+
+def cmd_verify(out: str) -> int:
+    """``moco index --verify --out INDEX_DIR``: check the live generation's files against their checksums."""
+    from moco_retrieval.indexer.integrity import verify_index_dir
+
+    result = verify_index_dir(out)
+    checked = result.checked
+    rows = [("index directory", result.index_dir), ("generation", f"{result.generation} (live), {result.count} items")]
+    if result.recorded:
+        rows.append(("verified", f"{checked.hashed} files, {checked.bytes_hashed / 1e6:,.1f} MB: sha256 as recorded "
+                                 f"in the manifest ({checked.seconds:.2f} s); the generation opens"))
+    else:
+        rows.append(("verified", "the generation opens, but its manifest records no checksums (written before "
+                                 "they were): `moco index --compact now` writes a generation that has them"))
+    width = max(len(k) for k, _ in rows)
+    for key, value in rows:
+        print(f"{key:<{width}}  {value}")
     return 0
 
 

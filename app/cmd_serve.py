@@ -88,9 +88,12 @@ def _check_index(index_dir: str, model: str | None) -> None:
 
     from moco_retrieval.indexer.encoder import read_encoder_metadata
     from moco_retrieval.indexer.index_dir import IndexDirectory
+    from moco_retrieval.indexer.manifest import check_encoder_copy
 
     with IndexDirectory.open(index_dir) as directory:
         path = Path(model) if model else directory.encoder_path
+        if not model:
+            check_encoder_copy(path, directory.manifest, index_dir)
         meta = read_encoder_metadata(path)
         directory.manifest.check_encoder(hashlib.sha256(path.read_bytes()).hexdigest(), meta["embedding_dim"], path,
                                          str(index_dir), "serve it with the model it was built with")

@@ -43,6 +43,23 @@ class output_errors:
         raise OutputError(f"cannot write {self.what} ({exc.strerror or exc}); {self.hint}") from exc
 
 
+def check_free_space(folder: str | os.PathLike, needed: int, what: str) -> None:
+    """Refuse to start writing ``needed`` bytes of ``what`` into ``folder`` when its disk has less free space:
+    one line before the work instead of a full disk part-way through it (or a SIGBUS, for a file written
+    through a memory map, which no write error reports).
+
+    Raises:
+        OutputError: less than ``needed`` bytes free.
+    """
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:  # cannot tell here: the writes will say
+        return
+    if free < needed:
+        raise OutputError(f"disk full: {what} needs {needed / 1e6:,.1f} MB and {folder} has {free / 1e6:,.1f} MB "
+                          "free; free some space and rerun the same command (finished work is kept)")
+
+
 def fsync_dir(path: str | os.PathLike) -> None:
     """Make a rename inside ``path`` durable (a no-op where directories cannot be opened)."""
     try:
@@ -119,4 +136,5 @@ def link_or_copy_atomic(src: str | os.PathLike, dst: str | os.PathLike) -> None:
         try:
             os.link(src, tmp)
         except OSError:
-            shutil.copyfile(src, tmp)
+            with output_errors(dst):  # a full disk while copying (a first index's encoder) is one line too
+                shutil.copyfile(src, tmp)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -37,11 +38,15 @@ from moco_retrieval.contracts.atomic import atomic_write, link_or_copy_atomic, o
 from moco_retrieval.contracts.errors import ArtifactError, ConfigError, DataError, OutputError
 from moco_retrieval.contracts.filenames import display_name
 from moco_retrieval.contracts.launch import WorldInfo, world_info_from_env
-from moco_retrieval.indexer import faiss_index, update
+from moco_retrieval.indexer import faiss_index, integrity, update
 from moco_retrieval.indexer.embed import FolderEmbedder
 from moco_retrieval.indexer.encoder import OnnxEncoder, available_cores
 from moco_retrieval.indexer.factory import Factory
+from moco_retrieval.indexer.index_dir import IndexDirectory
 from moco_retrieval.indexer.layout import (
+    ENCODER_FILE,
+    LMDB_DATA_FILE,
+    META_DIR,
     GenerationPaths,
     IndexLayout,
     generation_name,
@@ -51,7 +56,7 @@ from moco_retrieval.indexer.layout import (
     remove_stale_staging,
     utc_now,
 )
-from moco_retrieval.indexer.manifest import IndexManifest
+from moco_retrieval.indexer.manifest import IndexManifest, file_sha256
 from moco_retrieval.indexer.metadata import MetadataStore, link_store, materialize
 from moco_retrieval.indexer.plan import Plan, plan_full, plan_listed, read_changed_list, scan_listed
 from moco_retrieval.indexer.ranks import DEFAULT_TIMEOUT_S, Rendezvous, part_of_plan, plan_digest
@@ -112,6 +117,7 @@ class IndexConfig:
     compact: str = "auto"               # auto (past 5% of changes), now, never
     changed_list: str | None = None     # file of relative paths to look at instead of rescanning the folder
     rank_timeout: float = DEFAULT_TIMEOUT_S  # rank 0 gives up on a rank without progress for this long
+    verify: bool = False                # hash every file of the live generation before the update, not just sizes
 
     def __post_init__(self):
         if self.batch_size < 1:
@@ -181,6 +187,18 @@ class _Run:
 
 
 @contextmanager
+def _staging(layout: IndexLayout):
+    """A staging folder for the next generation, removed when the run fails before publishing it: a refused
+    update leaves the directory as it found it (a kill leaves it to the next run, which removes it)."""
+    staging = new_staging_dir(layout)
+    try:
+        yield staging
+    except BaseException:
+        shutil.rmtree(staging.root, ignore_errors=True)  # once published it was renamed away: nothing to do
+        raise
+
+
+@contextmanager
 def _writer_lock(layout: IndexLayout):
     """Hold ``INDEX_DIR/.lock`` so that two ``moco index`` runs never write the same directory."""
     try:
@@ -230,12 +248,38 @@ def build_index_dir(cfg: IndexConfig, embedder=None, scanner=None) -> IndexResul
         raise OutputError(f"cannot write {layout.root} (permission denied); choose a writable --out")
     labels = read_labels_csv(cfg.labels_csv) if cfg.labels_csv else None
     if world.rank != 0:  # no lock: rank 0 holds it for the whole run, the others only write their shards
-        run = _prepare(cfg, layout, image_root, labels, world, embedder, scanner)
+        live = _live_generation(layout, cfg.rebuild)
+        run = _prepare(cfg, layout, image_root, labels, world, embedder, scanner, live)
         return _embed_and_wait(run, t_start)
     with _writer_lock(layout):
-        remove_stale_staging(layout)
-        run = _prepare(cfg, layout, image_root, labels, world, embedder, scanner)
+        live = _live_generation(layout, cfg.rebuild)
+        remove_stale_staging(layout, live)
+        run = _prepare(cfg, layout, image_root, labels, world, embedder, scanner, live)
         return _embed_and_wait(run, t_start)
+
+
+def _live_generation(layout: IndexLayout, rebuild: bool) -> str | None:
+    """The generation this run follows: the live one (``None`` when nothing was published), checked before
+    anything is scanned or embedded.
+
+    A damaged ``CURRENT`` is refused, never read as "no index" (which re-embedded everything, renumbered the
+    ids and deleted every generation). With ``--rebuild`` the run starts over after the newest generation
+    folder there is, which it keeps until the next publish.
+
+    Raises:
+        ArtifactError: ``CURRENT`` is damaged or names a generation that is not there (without ``rebuild``).
+    """
+    try:
+        live = layout.current()
+        if live is not None and not layout.generation(live).root.is_dir():
+            raise layout.damaged_pointer(f"names {live}, which is not there")
+        return live
+    except ArtifactError as exc:
+        if not rebuild:
+            raise
+        names = layout.generation_names()
+        LOG.warning("%s; --rebuild: starting over after %s", exc, names[-1] if names else "nothing")
+        return names[-1] if names else None
 
 
 def _open_embedder(cfg: IndexConfig, image_root: Path, world: WorldInfo) -> FolderEmbedder:
@@ -255,8 +299,17 @@ def _open_embedder(cfg: IndexConfig, image_root: Path, world: WorldInfo) -> Fold
 
 
 def _prepare(cfg: IndexConfig, layout: IndexLayout, image_root: Path, labels, world: WorldInfo, embedder,
-             scanner) -> _Run:
-    run = _Run(cfg, layout, image_root, world, embedder)
+             scanner, live: str | None) -> _Run:
+    run = _Run(cfg, layout, image_root, world, embedder, previous=live)
+    run.prev_manifest = _previous_manifest(layout, live, cfg.rebuild)
+    if run.prev_manifest is not None and not cfg.rebuild and world.rank == 0:
+        # before anything is scanned or embedded: what an update reads and copies is hashed (the delta layer:
+        # small), what it shares and carries forward is sized; --verify hashes everything
+        checked = integrity.check_files(layout, live, run.prev_manifest,
+                                        hashed=integrity.ALL if cfg.verify else integrity.UPDATE_READS,
+                                        blocks=True, hashed_blocks=cfg.verify,
+                                        ignore=() if cfg.verify else (ENCODER_FILE,))
+        run.timings["check_previous"] = checked.seconds
     tic = time.perf_counter()
     gone = None
     if cfg.changed_list:
@@ -269,8 +322,6 @@ def _prepare(cfg: IndexConfig, layout: IndexLayout, image_root: Path, labels, wo
     if run.embedder is None:
         run.embedder = _open_embedder(cfg, image_root, world)
     encoder = run.encoder
-    run.previous = layout.current()
-    run.prev_manifest = IndexManifest.read(layout.generation(run.previous).manifest) if run.previous else None
     if run.prev_manifest is not None and not cfg.rebuild:
         run.prev_manifest.check_encoder(encoder.sha256, encoder.embedding_dim, encoder.path, str(layout.root),
                                         "pass --rebuild to re-embed everything with it")
@@ -300,6 +351,20 @@ def _prepare(cfg: IndexConfig, layout: IndexLayout, image_root: Path, labels, wo
     if world.rank == 0:
         discard_other_models(layout.work, run.shards.dir)
     return run
+
+
+def _previous_manifest(layout: IndexLayout, previous: str | None, rebuild: bool) -> IndexManifest | None:
+    """The manifest of the generation this run follows; with ``--rebuild`` only its ``next_id`` matters (ids
+    are never reused), so an unreadable one is passed over."""
+    if previous is None:
+        return None
+    try:
+        return IndexManifest.read(layout.generation(previous).manifest)
+    except ArtifactError as exc:
+        if not rebuild:
+            raise
+        LOG.warning("%s; --rebuild: ids start again from 0", exc)
+        return None
 
 
 def _open_store(gen: GenerationPaths) -> MetadataStore:
@@ -387,13 +452,13 @@ def _commit(run: _Run, t_start: float) -> IndexResult:
             return result
 
     name = generation_name(generation_number(run.previous) + 1 if run.previous else 1)
-    staging = new_staging_dir(layout)
-    if base is None:
-        manifest, timings = _commit_full(run, staging, name, readable, counts)
-    else:
-        manifest, timings = _commit_update(run, staging, name, readable, counts)
-    run.timings.update(timings)
-    result = _publish(run, staging, manifest, counts, skipped_list, t_start)
+    with _staging(layout) as staging:
+        if base is None:
+            manifest, timings = _commit_full(run, staging, name, readable, counts)
+        else:
+            manifest, timings = _commit_update(run, staging, name, readable, counts)
+        run.timings.update(timings)
+        result = _publish(run, staging, manifest, counts, skipped_list, t_start, previous=run.previous)
     if base is not None and _compaction_wanted(run, manifest):
         compacted = _compact(run, name, t_start, skipped_list, counts)
         result.compacted = compacted.generation
@@ -434,12 +499,14 @@ def _records(run: _Run, readable: list[ScanEntry], next_id: int) -> list[dict]:
     return records
 
 
-def _write_block(run: _Run, name: str, ids: np.ndarray, vectors: np.ndarray, dtype) -> list[str]:
+def _write_block(run: _Run, name: str, ids: np.ndarray, vectors: np.ndarray, dtype
+                 ) -> tuple[list[str], dict[str, dict]]:
+    """The block of this run's new vectors (none when there are none), and its files' records."""
     if not len(ids):
-        return []
+        return [], {}
     with BlockWriter(run.layout, name, len(ids), vectors.shape[1], dtype) as writer:
         writer.extend(ids, vectors)
-    return [name]
+    return [name], writer.records
 
 
 def _commit_full(run: _Run, staging: GenerationPaths, name: str, readable: list[ScanEntry], counts: dict):
@@ -471,10 +538,14 @@ def _commit_full(run: _Run, staging: GenerationPaths, name: str, readable: list[
     built = _build_faiss(run, staging, choice, ids, blocks)
     _copy_encoder(run, staging)
     t_index = time.perf_counter() - tic
+    tic = time.perf_counter()
+    files = integrity.record_files(staging, integrity.encoder_record(staging, encoder.sha256))
+    block_files = integrity.record_blocks(run.layout, blocks, writer.records)
     manifest = _manifest(run, name, built, count=len(ids), next_id=final_next_id, duplicates=duplicates,
                          labels=labels, blocks=blocks, counts=counts, dtype=dtype, base_count=len(ids),
-                         base_next_id=final_next_id, delta_count=0, removed_count=0, base_generation=name)
-    return manifest, {"commit": t_commit, "index": t_index}
+                         base_next_id=final_next_id, delta_count=0, removed_count=0, base_generation=name,
+                         files=files, block_files=block_files)
+    return manifest, {"commit": t_commit, "index": t_index, "checksums": time.perf_counter() - tic}
 
 
 def _build_faiss(run: _Run, staging: GenerationPaths, choice: faiss_index.IndexChoice, live_ids: np.ndarray,
@@ -518,13 +589,20 @@ def _commit_update(run: _Run, staging: GenerationPaths, name: str, readable: lis
     duplicates = base.duplicates + _duplicate_change(stored, removed)
     dtype = np.dtype(base.block_dtype)
     blocks = [b for b in base.vector_blocks if block_exists(layout, b)]
-    blocks += _write_block(run, name, ids, vectors, dtype)
+    new_blocks, new_block_files = _write_block(run, name, ids, vectors, dtype)
+    blocks += new_blocks
     t_commit = time.perf_counter() - tic
     tic = time.perf_counter()
     delta_count, removed_count = update.update_faiss(prev, staging, base, ids, vectors,
                                                      np.asarray(old_ids, dtype=np.int64))
     _copy_encoder(run, staging)
     t_index = time.perf_counter() - tic
+    tic = time.perf_counter()
+    # the base is shared with the predecessor by hard links: its records carry over unread (an update costs
+    # what changed); the delta layer this run wrote is hashed
+    files = integrity.record_files(staging, {**integrity.carried(base),
+                                             **integrity.encoder_record(staging, run.encoder.sha256)})
+    block_files = integrity.record_blocks(layout, blocks, {**base.block_files, **new_block_files})
     count = base.count + len(ids) - len(old_ids)
     built = faiss_index.BuiltIndex(index=None, factory=base.factory, search_params=base.search_params,
                                    recall_at_10=base.recall_at_10, exact=base.exact, trained_on=base.trained_on,
@@ -532,11 +610,12 @@ def _commit_update(run: _Run, staging: GenerationPaths, name: str, readable: lis
     manifest = _manifest(run, name, built, count=count, next_id=final_next_id, duplicates=duplicates,
                          labels=labels, blocks=blocks, counts=counts, dtype=dtype, base_count=base.base_count,
                          base_next_id=base.base_next_id, delta_count=delta_count, removed_count=removed_count,
-                         base_generation=base.base_generation or base.generation)
+                         base_generation=base.base_generation or base.generation, files=files,
+                         block_files=block_files)
     if base.base_count - removed_count + delta_count != count:
         raise ArtifactError(f"{layout.root}: the update of {run.previous} would hold {count} items but its FAISS "
                             "parts do not; rebuild with `moco index --rebuild`")
-    return manifest, {"commit": t_commit, "index": t_index}
+    return manifest, {"commit": t_commit, "index": t_index, "checksums": time.perf_counter() - tic}
 
 
 def _label_counts(labels: dict, added: list[dict], removed: list[dict]) -> dict:
@@ -560,17 +639,28 @@ def _duplicate_change(added: list[dict], removed: list[tuple[dict, bool]]) -> in
 
 def _compact(run: _Run, source: str, t_start: float, skipped_list: list[dict], counts: dict) -> IndexResult:
     """Publish the live content of generation ``source`` as a new base (see ``indexer.update``)."""
+    with _staging(run.layout) as staging:
+        return _compact_into(run, source, staging, t_start, skipped_list, counts)
+
+
+def _compact_into(run: _Run, source: str, staging: GenerationPaths, t_start: float, skipped_list: list[dict],
+                  counts: dict) -> IndexResult:
     cfg, layout, encoder = run.cfg, run.layout, run.encoder
     src = layout.generation(source)
     manifest = IndexManifest.read(src.manifest)
     name = generation_name(generation_number(source) + 1)
     tic = time.perf_counter()
-    staging = new_staging_dir(layout)
+    # everything the new base is rebuilt from, hashed first: a compaction over a damaged vector block published
+    # garbage measured at "recall@10 1.0" (the recall check reads the same blocks)
+    integrity.check_files(layout, source, manifest, hashed=integrity.COMPACTION_READS, blocks=True,
+                          hashed_blocks=True)
     with output_errors(staging.meta):
         if src.delta_meta.is_dir():
             materialize(src.meta, src.delta_meta, staging.meta)
+            linked = {}
         else:
             link_store(src.meta, staging.meta)
+            linked = integrity.carried(manifest, [f"{META_DIR}/{LMDB_DATA_FILE}"])
     with MetadataStore(staging.meta) as store:
         live_ids = store.live_ids()
     choice = _wanted(cfg, max(1, len(live_ids)), encoder.embedding_dim)
@@ -580,25 +670,29 @@ def _compact(run: _Run, source: str, t_start: float, skipped_list: list[dict], c
         choice = faiss_index.IndexChoice(manifest.factory, choice.on_disk)
     dtype = block_dtype(choice.factory)
     blocks = [b for b in manifest.vector_blocks if block_exists(layout, b)]
-    blocks = update.compact_blocks(layout, blocks, live_ids, name, dtype)
+    blocks, new_block_files = update.compact_blocks(layout, blocks, live_ids, name, dtype)
     t_meta = time.perf_counter() - tic
     tic = time.perf_counter()
     built = _build_faiss(run, staging, choice, live_ids, blocks, trained=trained)
     _copy_encoder(run, staging)
     t_index = time.perf_counter() - tic
+    files = integrity.record_files(staging, {**linked, **integrity.encoder_record(staging, encoder.sha256)})
+    block_files = integrity.record_blocks(layout, blocks, {**manifest.block_files, **new_block_files})
     compacted = _manifest(run, name, built, count=len(live_ids), next_id=manifest.next_id,
                           duplicates=manifest.duplicates, labels=manifest.labels, blocks=blocks,
                           counts=counts, dtype=dtype, base_count=len(live_ids),
-                          base_next_id=manifest.next_id, delta_count=0, removed_count=0, base_generation=name)
+                          base_next_id=manifest.next_id, delta_count=0, removed_count=0, base_generation=name,
+                          files=files, block_files=block_files)
     compacted.created_at = manifest.created_at
     run.timings.update({"compact_metadata": t_meta, "compact_index": t_index})
-    result = _publish(run, staging, compacted, counts, skipped_list, t_start, mode="compaction")
+    result = _publish(run, staging, compacted, counts, skipped_list, t_start, previous=source, mode="compaction")
     LOG.info("compacted %s into %s (%d items, recall@10 %s)", source, name, len(live_ids), built.recall_at_10)
     return result
 
 
 def _manifest(run: _Run, name: str, built: faiss_index.BuiltIndex, *, count, next_id, duplicates, labels, blocks,
-              counts, dtype, base_count, base_next_id, delta_count, removed_count, base_generation) -> IndexManifest:
+              counts, dtype, base_count, base_next_id, delta_count, removed_count, base_generation, files,
+              block_files) -> IndexManifest:
     cfg, encoder, base = run.cfg, run.encoder, run.base
     now = utc_now()
     return IndexManifest(
@@ -614,16 +708,17 @@ def _manifest(run: _Run, name: str, built: faiss_index.BuiltIndex, *, count, nex
         base_generation=base_generation,
         last_update={"added": counts["added"], "updated": counts["updated"], "removed": counts["removed"],
                      "unchanged": run.plan.unchanged},
-        library_versions=_library_versions(),
+        library_versions=_library_versions(), files=files, block_files=block_files,
     )
 
 
 def _publish(run: _Run, staging: GenerationPaths, manifest: IndexManifest, counts: dict, skipped_list: list[dict],
-             t_start: float, mode: str | None = None) -> IndexResult:
+             t_start: float, previous: str | None, mode: str | None = None) -> IndexResult:
     layout = run.layout
     tic = time.perf_counter()
     manifest.write(staging.manifest)
-    publish(layout, staging, manifest.generation)
+    _check_opens(layout, staging)
+    publish(layout, staging, manifest.generation, previous)
     run.timings["publish"] = run.timings.get("publish", 0.0) + time.perf_counter() - tic
     stats = run.stats
     timings = {**run.timings, **{k: v for k, v in stats.items() if k not in ("embedded", "resumed")}}
@@ -641,14 +736,33 @@ def _publish(run: _Run, staging: GenerationPaths, manifest: IndexManifest, count
     return result
 
 
+def _check_opens(layout: IndexLayout, staging: GenerationPaths) -> None:
+    """Open the assembled generation as a server will before it is published (every part read, counted and
+    checked against the manifest): an update over an unreadable ``vectors.faiss`` published a generation that
+    could not be opened, with exit 0. Memory maps where the index type allows, so it costs little more than
+    reading the headers.
+
+    Raises:
+        ArtifactError: a part that does not open or does not match the manifest.
+    """
+    with IndexDirectory(layout.root, staging.root.name):
+        pass
+
+
 def _copy_encoder(run: _Run, staging: GenerationPaths) -> None:
-    """Copy the encoder into the generation; a hard link to the previous generation's copy when it is the same
-    model (generations are immutable, so they can share the file)."""
-    prev = run.prev_manifest
-    same = prev is not None and prev.model_sha256 == run.encoder.sha256
-    previous = run.layout.generation(run.layout.current()).encoder if same and run.layout.current() else None
-    link_or_copy_atomic(previous if previous is not None and previous.is_file() else run.encoder.path,
-                        staging.encoder)
+    """Copy the encoder into the generation: a hard link to the previous generation's copy when it is still
+    this model byte for byte (generations are immutable, so they can share the file), else ``--model``, whose
+    sha256 this run checked. The previous copy is hashed again: linked forward unread, a damaged copy made
+    every later generation unopenable."""
+    prev, source = run.prev_manifest, Path(run.encoder.path)
+    if prev is not None and prev.model_sha256 == run.encoder.sha256 and run.previous is not None:
+        copy = run.layout.generation(run.previous).encoder
+        if file_sha256(copy) == run.encoder.sha256:
+            source = copy
+        else:
+            LOG.warning("%s is not the model it was copied from (damaged or missing); copying %s instead",
+                        copy, source)
+    link_or_copy_atomic(source, staging.encoder)
 
 
 def _model_summary(encoder) -> dict:

@@ -23,7 +23,7 @@ from moco_retrieval.contracts.encoder_format import (
     preprocess_image,
     validate_metadata,
 )
-from moco_retrieval.contracts.errors import ArtifactError, ConfigError, DataError
+from moco_retrieval.contracts.errors import ArtifactError, ConfigError, DataError, MocoError
 from moco_retrieval.contracts.images import decode_image
 
 LOG = logging.getLogger(__name__)
@@ -166,7 +166,13 @@ class OnnxEncoder:
         self.image_size = self.metadata["image_size"]
         self.embedding_dim = self.metadata["embedding_dim"]
         self.resize = self.metadata["resize"]
-        self.session, self.provider = open_session(data, device, threads, spin)
+        try:
+            self.session, self.provider = open_session(data, device, threads, spin)
+        except MocoError:
+            raise
+        except Exception as exc:  # onnxruntime's Fail, InvalidGraph ...: a graph it cannot run (no common base)
+            raise ArtifactError(f"{self.path} cannot be loaded by ONNX Runtime ({str(exc).splitlines()[0][:200]}); "
+                                "export it again with `moco export`") from exc
         inputs, outputs = self.session.get_inputs(), self.session.get_outputs()
         if [i.name for i in inputs] != [INPUT_NAME] or OUTPUT_NAME not in [o.name for o in outputs]:
             raise ArtifactError(f"{self.path} does not have the encoder's '{INPUT_NAME}' -> '{OUTPUT_NAME}' "

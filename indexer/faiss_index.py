@@ -33,6 +33,7 @@ from typing import Callable, Iterator
 import faiss
 import numpy as np
 
+from moco_retrieval.contracts.atomic import check_free_space
 from moco_retrieval.contracts.errors import ConfigError, IndexBuildError, OutputError
 from moco_retrieval.indexer import faiss_gpu
 from moco_retrieval.indexer.factory import Factory
@@ -363,6 +364,11 @@ def _fill_on_disk(trained: faiss.Index, blocks: BlockSource, n: int, d: int, lis
         if added != n:
             raise IndexBuildError(f"expected {n} vectors, the blocks held {added}; rerun `moco index`")
         index = faiss.deserialize_index(empty)
+        # FAISS writes the merged lists through a memory map it grows with ftruncate: on a full disk that is a
+        # SIGBUS, not an error, so the space is checked first (codes and ids of every vector, +10% for the lists'
+        # slack)
+        code_size = faiss.extract_index_ivf(index).code_size
+        check_free_space(lists.parent, int(1.1 * n * (code_size + 8)) + (1 << 20), f"inverted lists {lists}")
         LOG.info("merging %d shards of inverted lists into %s", len(parts), lists)
         merge_ondisk(index, parts, str(lists))
     finally:

@@ -24,10 +24,12 @@ import numpy as np
 from moco_retrieval.contracts.errors import ArtifactError
 from moco_retrieval.indexer import faiss_gpu
 from moco_retrieval.indexer.faiss_index import read_index
+from moco_retrieval.indexer.integrity import check_files
 from moco_retrieval.indexer.layout import IndexLayout, current_generation
 from moco_retrieval.indexer.manifest import IndexManifest
 from moco_retrieval.indexer.metadata import MetadataStore
 from moco_retrieval.indexer.searcher import LayeredIndex, open_vectors_lazily
+from moco_retrieval.indexer.update import read_delta, read_removed
 from moco_retrieval.indexer.vectors import BlockVectors
 
 LOG = logging.getLogger(__name__)
@@ -54,23 +56,29 @@ class IndexDirectory:
         gen = layout.generation(generation)
         self.generation_path = gen.root
         if not gen.root.is_dir():
-            raise ArtifactError(f"{self.path}: generation {generation} is missing; rebuild with `moco index --rebuild`")
+            raise layout.damaged_pointer(f"names {generation}, which is not there")
         self.manifest = m = IndexManifest.read(gen.manifest)
+        # the size of every recorded file (a stat each), and of the blocks IVF-PQ re-ranks with: a damaged file
+        # is named here, before FAISS or LMDB read it (indexer.integrity: what is hashed when)
+        check_files(layout, generation, m, blocks="refine" in m.search_params)
         base = read_index(gen.index, m.factory, on_disk=m.on_disk, mmap=mmap)
-        delta = read_index(gen.delta_index, m.factory, mmap=mmap) if gen.delta_index.is_file() else None
+        if base.ntotal != m.base_count or base.d != m.embedding_dim:
+            raise ArtifactError(f"{gen.index} holds {base.ntotal} {base.d}-d vectors, its manifest counts "
+                                f"{m.base_count} {m.embedding_dim}-d; rebuild with `moco index --rebuild`")
+        delta = read_delta(gen, m, m.factory, mmap=mmap)
         for part in (base, delta):
             if part is not None:
                 _apply_search_params(part, m.search_params)
-        removed = np.load(gen.removed) if gen.removed.is_file() else None
+        removed = read_removed(gen, m)
         if "refine" in m.search_params:  # IVF-PQ re-ranks with the stored vectors: open them now
             vectors = BlockVectors(layout, m.vector_blocks)
         else:  # only for reconstruct() of index types that cannot; opened if ever needed
             vectors = open_vectors_lazily(lambda: BlockVectors(layout, m.vector_blocks))
         gpu = faiss_gpu.gpu_copy_for_search(base, m.search_params, faiss_gpu_mode, m.on_disk)
         self.index = LayeredIndex(base, delta, removed, m.search_params, vectors=vectors, gpu=gpu)
-        if self.index.d != m.embedding_dim or self.index.ntotal != m.count:
-            raise ArtifactError(f"{gen.index} does not match its manifest (dim {self.index.d}, "
-                                f"{self.index.ntotal} vectors); rebuild with `moco index --rebuild`")
+        if self.index.ntotal != m.count:
+            raise ArtifactError(f"generation {generation} of {self.path} holds {self.index.ntotal} items, its "
+                                f"manifest counts {m.count}; rebuild with `moco index --rebuild`")
         self.encoder_path = gen.encoder
         if not self.encoder_path.is_file():
             raise ArtifactError(f"{self.encoder_path} is missing; rebuild with `moco index --rebuild`")

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -41,6 +42,7 @@ from pathlib import Path
 
 from moco_retrieval.contracts.atomic import fsync_dir, output_errors, write_text_atomic
 from moco_retrieval.contracts.errors import ArtifactError
+from moco_retrieval.contracts.filenames import display_name
 from moco_retrieval.indexer.manifest import IndexManifest
 
 LOG = logging.getLogger(__name__)
@@ -61,6 +63,16 @@ DELTA_META_DIR = "delta.lmdb"
 ENCODER_FILE = "encoder.onnx"
 REPORT_FILE = "report.json"
 STAGING_PREFIX = ".tmp-"
+LMDB_DATA_FILE = "data.mdb"  # LMDB's name for a store's data file (indexer.metadata.DATA_FILE)
+# Every data file a generation may hold, by its path inside the generation folder: the keys of the manifest's
+# ``files``. Not report.json (what a run did, linked in after publishing) nor LMDB's lock files.
+GENERATION_FILES = (INDEX_FILE, LISTS_FILE, TRAINED_FILE, DELTA_INDEX_FILE, REMOVED_FILE,
+                    f"{META_DIR}/{LMDB_DATA_FILE}", f"{DELTA_META_DIR}/{LMDB_DATA_FILE}", ENCODER_FILE)
+# ... and those an update shares with its predecessor by hard links (the base)
+SHARED_FILES = (INDEX_FILE, LISTS_FILE, TRAINED_FILE, f"{META_DIR}/{LMDB_DATA_FILE}")
+
+
+_GENERATION_NAME = re.compile(r"g[0-9]{6,}")  # what generation_name writes (more digits past 999,999)
 
 
 def generation_name(number: int) -> str:
@@ -68,7 +80,13 @@ def generation_name(number: int) -> str:
     return f"g{number:06d}"
 
 
+def is_generation_name(name: str) -> bool:
+    """True for a name :func:`generation_name` makes (never a path: no ``/``, no ``..``)."""
+    return _GENERATION_NAME.fullmatch(name) is not None
+
+
 def generation_number(name: str) -> int:
+    """``"g000007" -> 7``, for a name :func:`is_generation_name` accepts."""
     return int(name[1:])
 
 
@@ -118,6 +136,14 @@ class GenerationPaths:
     def report(self) -> Path:
         return self.root / REPORT_FILE
 
+    def file(self, name: str) -> Path:
+        """The path of one of :data:`GENERATION_FILES`."""
+        return self.root / name
+
+    def files(self) -> dict[str, Path]:
+        """:data:`GENERATION_FILES` present in this generation, by name."""
+        return {name: self.root / name for name in GENERATION_FILES if (self.root / name).is_file()}
+
 
 @dataclass(frozen=True)
 class IndexLayout:
@@ -160,15 +186,55 @@ class IndexLayout:
         """``(ids, vectors)`` files of the block written by generation ``name``."""
         return self.vectors / f"{name}.ids.npy", self.vectors / f"{name}.vec.npy"
 
-    def current(self) -> str | None:
-        """The live generation's name, or ``None`` when nothing was published yet."""
+    def block_file(self, file_name: str) -> Path:
+        """A file of ``vectors/`` by its name (a key of the manifest's ``block_files``)."""
+        return self.vectors / file_name
+
+    def generation_names(self) -> list[str]:
+        """The generation folders present (published or left by a run that died publishing), oldest first."""
         try:
-            name = self.current_file.read_text().strip()
+            names = [p.name for p in self.generations.iterdir() if is_generation_name(p.name) and p.is_dir()]
+        except OSError:  # no generations/ folder (nothing written yet), or unreadable: none to name
+            return []
+        return sorted(names, key=generation_number)
+
+    def current(self) -> str | None:
+        """The live generation's name, or ``None`` when nothing was ever published here: no ``CURRENT`` and
+        no generation folder.
+
+        A damaged pointer is never taken for "no index": read as "no index", it made the next ``moco index``
+        re-embed everything, renumber the ids and delete every generation.
+
+        Raises:
+            ArtifactError: ``CURRENT`` is unreadable, empty, holds something that is not a generation name
+                (garbage, a path such as ``../..``), or is missing while generation folders exist.
+        """
+        try:
+            raw = self.current_file.read_bytes()[:256]  # one short line; a huge file is damage too
         except FileNotFoundError:
-            return None
+            raw = None
         except OSError as exc:
-            raise ArtifactError(f"cannot read {self.current_file}: {exc.strerror or exc}") from exc
-        return name or None
+            raise ArtifactError(f"cannot read {self.current_file} ({exc.strerror or exc}); check its permissions, "
+                                "or rebuild with `moco index --rebuild`") from exc
+        if raw is None:
+            if not self.generation_names():
+                return None
+            problem = "is missing"
+        else:
+            name = raw.decode("utf-8", "surrogateescape").strip()
+            if is_generation_name(name):
+                return name
+            problem = f"holds '{display_name(name[:40])}', not a generation name" if name else "is empty"
+        raise self.damaged_pointer(problem)
+
+    def damaged_pointer(self, problem: str) -> ArtifactError:
+        """The one-line error for a ``CURRENT`` that does not name a usable generation."""
+        names = self.generation_names()
+        held = ", ".join(names) if names else "no generation"
+        fix = (f"write the live generation's name into it (e.g. `echo {names[-1]} > {self.current_file}`) or "
+               if names else "")
+        return ArtifactError(f"{self.current_file} {problem}, and {self.generations} holds {held}; {fix}"
+                             "rebuild with `moco index --rebuild`")
 
 
 def current_generation(path: str | os.PathLike) -> str:
@@ -192,14 +258,14 @@ def new_staging_dir(layout: IndexLayout) -> GenerationPaths:
         return GenerationPaths(Path(tempfile.mkdtemp(dir=layout.generations, prefix=STAGING_PREFIX)))
 
 
-def publish(layout: IndexLayout, staging: GenerationPaths, name: str) -> None:
+def publish(layout: IndexLayout, staging: GenerationPaths, name: str, previous: str | None) -> None:
     """Make ``staging`` the live generation ``name``: rename it into place, then replace ``CURRENT``.
 
     Everything the generation holds must be written and flushed before this call. Afterwards all generations
-    but this one and the previous one, stale staging folders, and vector blocks no kept manifest lists are
-    removed.
+    but this one and ``previous`` (the one it replaces: kept for the readers still on it; passed in, since
+    after ``moco index --rebuild`` over a damaged ``CURRENT`` there is no pointer to read it from), stale
+    staging folders, and vector blocks no kept manifest lists are removed.
     """
-    previous = layout.current()
     final = layout.generation(name).root
     with output_errors(final):
         os.replace(staging.root, final)
@@ -217,7 +283,7 @@ def _collect_garbage(layout: IndexLayout, keep: set[str]) -> None:
         except ArtifactError:
             pass
     for child in layout.generations.iterdir():
-        if child.name not in keep and (child.name.startswith(STAGING_PREFIX) or child.name.startswith("g")):
+        if child.name not in keep and (child.name.startswith(STAGING_PREFIX) or is_generation_name(child.name)):
             shutil.rmtree(child, ignore_errors=True)
     if layout.vectors.is_dir():
         for block in layout.vectors.iterdir():
@@ -225,13 +291,14 @@ def _collect_garbage(layout: IndexLayout, keep: set[str]) -> None:
                 block.unlink(missing_ok=True)
 
 
-def remove_stale_staging(layout: IndexLayout) -> None:
-    """Delete what a run that died before publishing left: staging folders and unpublished generations."""
-    current = layout.current()
-    newest = generation_number(current) if current else 0
+def remove_stale_staging(layout: IndexLayout, live: str | None) -> None:
+    """Delete what a run that died before publishing left: staging folders and the generations newer than
+    ``live`` (renamed into place, ``CURRENT`` never replaced). ``live`` is the live generation (``None``:
+    nothing was published, so no generation folder exists either: :meth:`IndexLayout.current`)."""
+    newest = generation_number(live) if live else 0
     if layout.generations.is_dir():
         for child in layout.generations.iterdir():
-            unpublished = child.name.startswith("g") and child.name[1:].isdigit() and int(child.name[1:]) > newest
+            unpublished = is_generation_name(child.name) and generation_number(child.name) > newest
             if child.name.startswith(STAGING_PREFIX) or unpublished:
                 shutil.rmtree(child, ignore_errors=True)
 

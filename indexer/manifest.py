@@ -8,6 +8,7 @@ code, and :meth:`IndexManifest.check_encoder` is the one check that an encoder m
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 from dataclasses import dataclass, field
@@ -16,8 +17,19 @@ from pathlib import Path
 from moco_retrieval.contracts.atomic import write_json_atomic
 from moco_retrieval.contracts.errors import ArtifactError
 
+def file_sha256(path: str | os.PathLike) -> str | None:
+    """The hex sha256 of a file's bytes (streamed), or ``None`` when it cannot be read."""
+    try:
+        with open(path, "rb") as f:
+            return hashlib.file_digest(f, "sha256").hexdigest()
+    except OSError:
+        return None
+
+
 INDEX_FORMAT = "moco-retrieval/index"
-INDEX_FORMAT_VERSION = 2  # 2: base + delta + removed ids (version 1 directories read as base-only)
+# 2: base + delta + removed ids (version 1 directories read as base-only). The checksums (files, block_files) were
+# added to version 2 compatibly: older readers ignore them, and manifests without them open with nothing to verify.
+INDEX_FORMAT_VERSION = 2
 
 
 @dataclass
@@ -56,6 +68,11 @@ class IndexManifest:
     removed_count: int = 0  # base ids in removed.npy (removed since the base)
     base_generation: str = ""  # the generation whose build or compaction made the base
     last_update: dict = field(default_factory=dict)  # added, updated, removed, unchanged by the run that made it
+    # {"bytes", "sha256"} of every data file, by its path in the generation folder (layout.GENERATION_FILES), and
+    # of each file of its vector blocks, by its name in vectors/: what indexer.integrity checks. Empty in
+    # manifests written before they were recorded (same format version: older readers ignore the fields).
+    files: dict = field(default_factory=dict)
+    block_files: dict = field(default_factory=dict)
     library_versions: dict = field(default_factory=dict)  # faiss, lmdb, onnxruntime, numpy
     format: str = INDEX_FORMAT
     format_version: int = INDEX_FORMAT_VERSION
@@ -121,3 +138,21 @@ class IndexManifest:
         if embedding_dim != self.embedding_dim:
             raise ArtifactError(f"index {where} holds {self.embedding_dim}-d vectors, but {path} makes "
                                 f"{embedding_dim}-d ones; {remedy}")
+
+
+def check_encoder_copy(path: str | os.PathLike, manifest: IndexManifest, where: str) -> None:
+    """Refuse a generation's own ``encoder.onnx`` that is no longer the model its manifest names (its sha256),
+    before anything parses it: a damaged copy failed inside ONNX Runtime with a traceback, or read as the
+    user's choice of another model.
+
+    Raises:
+        ArtifactError: missing, unreadable or damaged.
+    """
+    digest = file_sha256(path)
+    if digest is None:
+        raise ArtifactError(f"{path} is missing or unreadable; rebuild with `moco index --rebuild`, or pass "
+                            "--model with the encoder the index was built with")
+    if digest != manifest.model_sha256:
+        raise ArtifactError(f"index {where} was built with another model ({manifest.model_sha256[:12]}) than its own "
+                            f"copy {path} ({digest[:12]}): the copy is damaged or was replaced; rebuild with "
+                            "`moco index --rebuild`, or pass --model with the encoder the index was built with")

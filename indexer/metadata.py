@@ -27,13 +27,22 @@ delta copy); when the map is full it doubles the map size and replays the transa
 read-only without the lock file (``lock=False``): they never block a writer and any thread may read with its
 own transaction. LMDB allows one environment per file and process, so read-only opens of one file share one
 environment (keyed by device and inode: generations share their base by hard links).
+
+LMDB maps a store and trusts it: a page read past the end of a truncated file is a SIGBUS that kills the
+process (``moco search`` printed only "Bus error"). So a store is checked before it is mapped
+(:func:`check_data_file`: the file holds every page its header counts), and every LMDB or JSON error of a read
+(a damaged page: ``lmdb.CorruptedError``, ``PageNotFoundError``; a value that is not ours) becomes one
+:class:`~contracts.errors.ArtifactError` naming the store.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
+import inspect
 import json
 import logging
 import os
+import struct
 import threading
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
@@ -41,6 +50,7 @@ from typing import Callable, Iterable, Iterator
 import lmdb
 import numpy as np
 
+from moco_retrieval.contracts.atomic import output_errors
 from moco_retrieval.contracts.errors import ArtifactError, IndexBuildError, OutputError
 from moco_retrieval.contracts.filenames import decode_name, encode_name
 
@@ -52,6 +62,58 @@ _DBS = (b"items", b"paths", b"sha256", b"tombstones", b"skipped", b"info")
 WRITE_CHUNK = 10_000  # records per transaction when writing many
 DELETED = b""  # a delta value meaning "deleted since the base" (JSON values are never empty)
 DATA_FILE = "data.mdb"
+
+
+# LMDB's meta pages (pages 0 and 1; the one with the larger txnid is current), as lmdb.h / mdb.c lay them out on
+# 64-bit builds: a 16-byte page header, then MDB_meta: magic, version, address, mapsize, two MDB_db (48 bytes
+# each; the first one's md_pad holds the page size), mm_last_pg, mm_txnid.
+_META_MAGIC = 0xBEEFC0DE
+_META = struct.Struct("<II8xQI44x48xQQ")  # magic, version, mapsize, page size, last page, txnid (from byte 16)
+# errors of a damaged store (BadTxnError: a transaction that met a damaged page refuses every later operation)
+_DAMAGE = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.InvalidError, lmdb.IncompatibleError,
+           lmdb.BadValsizeError, lmdb.VersionMismatchError, lmdb.BadChecksumError, lmdb.PanicError,
+           lmdb.BadTxnError)
+
+
+def _meta_page(f, offset: int) -> tuple | None:
+    """``(magic, version, mapsize, page size, last page, txnid)`` of the meta page at ``offset``, or ``None``
+    where there is none (short file, wrong magic)."""
+    f.seek(offset)
+    page = f.read(16 + _META.size)
+    if len(page) < 16 + _META.size:
+        return None
+    meta = _META.unpack_from(page, 16)
+    return meta if meta[0] == _META_MAGIC else None
+
+
+def check_data_file(path: Path) -> None:
+    """Refuse an LMDB data file that does not hold the pages its header says it does, before it is mapped.
+
+    LMDB never reads a page past the last one committed (``mm_last_pg`` of the newer meta page), so a file of at
+    least ``(last page + 1) x page size`` bytes is never read past its end. Costs one read of two pages.
+
+    Raises:
+        ArtifactError: missing, unreadable, not an LMDB file, or shorter than its header says (truncated).
+    """
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            first = _meta_page(f, 0)
+            page_size = first[3] if first is not None else 0
+            second = _meta_page(f, page_size) if 512 <= page_size <= 1 << 16 else None
+    except FileNotFoundError:
+        raise ArtifactError(f"metadata store not found: {path.parent}; rebuild with `moco index --rebuild`") from None
+    except OSError as exc:
+        raise ArtifactError(f"cannot read metadata store {path} ({exc.strerror or exc}); rebuild with "
+                            "`moco index --rebuild`") from exc
+    if second is None:
+        state = "empty" if size == 0 else f"not an LMDB file or its header is damaged ({size:,} bytes)"
+        raise ArtifactError(f"metadata store {path} is {state}; rebuild with `moco index --rebuild`")
+    _, _, _, page_size, last_page, _ = max(first, second, key=lambda meta: meta[5])
+    needed = (last_page + 1) * page_size
+    if size < needed:
+        raise ArtifactError(f"metadata store {path} is truncated ({size:,} bytes, its header counts {needed:,}); "
+                            "rebuild with `moco index --rebuild`")
 
 
 def id_key(item_id: int) -> bytes:
@@ -82,7 +144,11 @@ _SHARED_LOCK = threading.Lock()
 
 
 def _file_id(path: Path) -> tuple[int, int]:
-    st = os.stat(path / DATA_FILE)
+    try:
+        st = os.stat(path / DATA_FILE)
+    except OSError as exc:
+        raise ArtifactError(f"metadata store not found: {path} ({exc.strerror or exc}); rebuild with "
+                            "`moco index --rebuild`") from exc
     return st.st_dev, st.st_ino
 
 
@@ -90,6 +156,7 @@ def _acquire_readonly(path: Path) -> tuple[lmdb.Environment, tuple[int, int]]:
     key = _file_id(path)
     with _SHARED_LOCK:
         if key not in _SHARED:
+            check_data_file(path / DATA_FILE)
             env = lmdb.open(str(path), readonly=True, lock=False, max_dbs=MAX_DBS, subdir=True, readahead=False)
             _SHARED[key] = [env, 0]
         _SHARED[key][1] += 1
@@ -120,6 +187,9 @@ def copy_store(src: Path, dst: Path) -> None:
     try:
         dst.mkdir(parents=True, exist_ok=True)
         env.copy(str(dst), compact=True)
+    except _DAMAGE as exc:  # the copy walks every page of the source: it meets a damaged one first
+        raise ArtifactError(f"metadata store {src} is damaged ({str(exc).splitlines()[0]}); rebuild with "
+                            "`moco index --rebuild`") from exc
     finally:
         _release_readonly(key)
 
@@ -143,12 +213,18 @@ class _View:
         self.store, self.top, self.base = store, top, base  # base is None for a one-layer store
 
     def get(self, db: str, key: bytes):
-        raw = self.top.get(key, db=self.store._db[db])
+        try:
+            raw = self.top.get(key, db=self.store._db[db])
+        except _DAMAGE as exc:
+            raise self.store.damaged(self.store.top_path, exc) from exc
         if self.base is None:
             return raw
         if raw is not None:
             return None if len(raw) == 0 else raw
-        return self.base.get(key, db=self.store._base_db[db])
+        try:
+            return self.base.get(key, db=self.store._base_db[db])
+        except _DAMAGE as exc:
+            raise self.store.damaged(self.store.path, exc) from exc
 
     def put(self, db: str, key: bytes, value: bytes) -> None:
         self.top.put(key, value, db=self.store._db[db])
@@ -163,34 +239,73 @@ class _View:
 
     def items(self, db: str, values: bool = True) -> Iterator[tuple[bytes, object]]:
         """``(key, raw value)`` of every live key of ``db`` in key order (values ``None`` when not wanted)."""
-        top = self.top.cursor(db=self.store._db[db])
+        top_path = self.store.top_path
         if self.base is None:
-            if values:
-                for key, value in top.iternext(keys=True, values=True):
-                    yield bytes(key), value
-            else:
-                for key in top.iternext(keys=True, values=False):
-                    yield bytes(key), None
+            try:
+                top = self.top.cursor(db=self.store._db[db])
+                if values:
+                    for key, value in top.iternext(keys=True, values=True):
+                        yield bytes(key), value
+                else:
+                    for key in top.iternext(keys=True, values=False):
+                        yield bytes(key), None
+            except _DAMAGE as exc:
+                raise self.store.damaged(top_path, exc) from exc
             return
-        bottom = self.base.cursor(db=self.store._base_db[db])
-        a = _next(top)
-        b = _next(bottom)
+        top = _cursor(self.store, top_path, self.top, self.store._db[db])
+        bottom = _cursor(self.store, self.store.path, self.base, self.store._base_db[db])
+        a = _next(self.store, top_path, top)
+        b = _next(self.store, self.store.path, bottom)
         while a is not None or b is not None:
             if b is None or (a is not None and a[0] <= b[0]):
                 if b is not None and a[0] == b[0]:
-                    b = _next(bottom)
+                    b = _next(self.store, self.store.path, bottom)
                 if len(a[1]):
                     yield a
-                a = _next(top)
+                a = _next(self.store, top_path, top)
             else:
                 yield b
-                b = _next(bottom)
+                b = _next(self.store, self.store.path, bottom)
 
 
-def _next(cursor) -> tuple[bytes, object] | None:
-    if not cursor.next():
-        return None
-    return bytes(cursor.key()), cursor.value()
+def _cursor(store: "MetadataStore", path: Path, txn: lmdb.Transaction, db):
+    try:
+        return txn.cursor(db=db)
+    except _DAMAGE as exc:
+        raise store.damaged(path, exc) from exc
+
+
+def _next(store: "MetadataStore", path: Path, cursor) -> tuple[bytes, object] | None:
+    try:
+        if not cursor.next():
+            return None
+        return bytes(cursor.key()), cursor.value()
+    except _DAMAGE as exc:
+        raise store.damaged(path, exc) from exc
+
+
+def _reads(method):
+    """Make a read of the store fail in one line: a damaged page (an LMDB error) or a value that is not our JSON
+    becomes an ArtifactError naming the store (generators too: their errors come while they are iterated)."""
+    def damaged(self, exc):
+        return exc if isinstance(exc, ArtifactError) else self.damaged(self.layers, exc)
+
+    if inspect.isgeneratorfunction(method):
+        @functools.wraps(method)
+        def generator(self, *args, **kwargs):
+            try:
+                yield from method(self, *args, **kwargs)
+            except (lmdb.Error, ValueError, TypeError, KeyError) as exc:
+                raise damaged(self, exc) from exc
+        return generator
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except (lmdb.Error, ValueError, TypeError, KeyError) as exc:
+            raise damaged(self, exc) from exc
+    return wrapper
 
 
 class MetadataStore:
@@ -213,19 +328,31 @@ class MetadataStore:
         self.readonly = readonly
         self.env = self._base_env = None
         self._keys: list[tuple[int, int]] = []
+        opening = self.path  # the layer being opened, for the message
         try:
             if self.delta_path is None:
                 self.env = self._open(self.path, readonly)
             else:
                 self._base_env = self._open(self.path, True)
+                opening = self.delta_path
                 self.env = self._open(self.delta_path, readonly)
+            opening = self.top_path
             self._db = {name.decode(): self.env.open_db(name, create=not readonly) for name in _DBS}
+            opening = self.path
             self._base_db = ({name.decode(): self._base_env.open_db(name, create=False) for name in _DBS}
                              if self._base_env is not None else None)
         except lmdb.Error as exc:
             self.close()
-            raise ArtifactError(f"cannot open metadata store {self.delta_path or self.path} ({exc}); "
-                                "rebuild with `moco index --rebuild`") from exc
+            detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            if not readonly and opening == self.top_path and not isinstance(exc, _DAMAGE):  # creating it: I/O
+                raise OutputError(f"cannot write metadata store {opening} ({detail}); check free space and "
+                                  "permissions, then rerun the same command") from exc
+            raise ArtifactError(f"cannot open metadata store {opening} ({detail}); rebuild with "
+                                "`moco index --rebuild`") from exc
+        except OSError as exc:  # creating the folder of a writable store
+            self.close()
+            with output_errors(opening):
+                raise exc
         except BaseException:
             self.close()
             raise
@@ -242,6 +369,21 @@ class MetadataStore:
     @property
     def layered(self) -> bool:
         return self._base_env is not None
+
+    @property
+    def top_path(self) -> Path:
+        """The layer reads look in first, and writes go to."""
+        return self.delta_path or self.path
+
+    @property
+    def layers(self) -> str:
+        """The store's layers, for a message that cannot tell which one is damaged."""
+        return f"{self.path} or {self.delta_path}" if self.layered else str(self.top_path)
+
+    def damaged(self, where, exc: Exception) -> ArtifactError:
+        """The one-line error for a damaged page or value of this store (``where``: the layer, when known)."""
+        detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        return ArtifactError(f"metadata store {where} is damaged ({detail}); rebuild with `moco index --rebuild`")
 
     def close(self) -> None:
         if self.env is not None and not self.readonly:
@@ -287,6 +429,10 @@ class MetadataStore:
                 size = self.env.info()["map_size"] * 2
                 LOG.debug("LMDB map full; growing %s to %d MiB", self.delta_path or self.path, size >> 20)
                 self.env.set_mapsize(size)
+            except _DAMAGE as exc:  # a damaged page of the store being updated (or of the base it reads)
+                raise self.damaged(self.layers, exc) from exc
+            except (ValueError, TypeError, KeyError) as exc:  # a value in it that is not our JSON
+                raise self.damaged(self.layers, exc) from exc
             except lmdb.Error as exc:  # I/O errors: a full disk is the usual one
                 raise OutputError(f"cannot write metadata store {self.delta_path or self.path} ({exc}); check free "
                                   "space and rerun the same command") from exc
@@ -299,29 +445,36 @@ class MetadataStore:
         with self._read() as view:
             return _load(view.get(db, key))
 
+    @_reads
     def record(self, item_id: int) -> dict | None:
         """The live record of ``item_id``, or ``None`` (unknown or tombstoned)."""
         if item_id < 0:
             return None
         return self._get("items", id_key(item_id))
 
+    @_reads
     def records(self, ids: Iterable[int]) -> list[dict | None]:
         """Records of many ids in one read transaction (``None`` where unknown)."""
         with self._read() as view:
             return [_load(view.get("items", id_key(i))) if i >= 0 else None for i in ids]
 
+    @_reads
     def id_of_path(self, path: str) -> int | None:
         return self._get("paths", path_key(path))
 
+    @_reads
     def ids_of_sha256(self, sha256: str) -> list[int]:
         return self._get("sha256", sha256.encode()) or []
 
+    @_reads
     def tombstone(self, item_id: int) -> dict | None:
         return self._get("tombstones", id_key(item_id))
 
+    @_reads
     def next_id(self) -> int:
         return self._get("info", b"next_id") or 0
 
+    @_reads
     def count(self) -> int:
         """Live items (one pass over the keys when the store is layered)."""
         if not self.layered:
@@ -330,18 +483,21 @@ class MetadataStore:
         with self._read() as view:
             return sum(1 for _ in view.items("items", values=False))
 
+    @_reads
     def live_ids(self) -> np.ndarray:
         """Sorted int64 ids of every live item (keys only: no record is decoded)."""
         with self._read() as view:
             return np.fromiter((int.from_bytes(k, "big") for k, _ in view.items("items", values=False)),
                                dtype=np.int64)
 
+    @_reads
     def iter_records(self) -> Iterator[dict]:
         """All live records in id order."""
         with self._read() as view:
             for _, value in view.items("items"):
                 yield _load(value)
 
+    @_reads
     def iter_ids_with_paths(self) -> Iterator[tuple[str, int]]:
         """``(path, id)`` of every live item, in path order."""
         with self._read() as view:
@@ -352,6 +508,7 @@ class MetadataStore:
                 else:
                     yield decode_name(bytes(key)), item_id
 
+    @_reads
     def skipped(self) -> dict[str, dict]:
         """Unreadable files remembered from earlier runs: path -> {path, bytes, mtime_ns, reason}."""
         with self._read() as view:

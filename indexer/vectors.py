@@ -12,13 +12,15 @@ with one binary search.
 """
 from __future__ import annotations
 
+import hashlib
+import io
 from pathlib import Path
 from typing import Callable, Iterator
 
 import numpy as np
 
-from moco_retrieval.contracts.atomic import atomic_path, atomic_write, output_errors
-from moco_retrieval.contracts.errors import ArtifactError, IndexBuildError
+from moco_retrieval.contracts.atomic import atomic_path, atomic_write, check_free_space, output_errors
+from moco_retrieval.contracts.errors import ArtifactError, IndexBuildError, OutputError
 from moco_retrieval.indexer.factory import Factory
 from moco_retrieval.indexer.layout import IndexLayout
 
@@ -32,41 +34,75 @@ def block_dtype(factory: str) -> np.dtype:
 
 
 class BlockWriter:
-    """Writes one block of ``n`` rows in order without holding them in memory (a memory-mapped .npy).
+    """Writes one block of ``n`` rows in order without holding them in memory: plain writes to a temporary
+    .npy (its header, then the rows as they come).
+
+    Not a memory map: a mapped .npy is a sparse file whose pages get their disk blocks only when first
+    touched, so on a full disk the write was a SIGBUS (every rerun died with "Bus error"), never an error. A
+    write now fails with ENOSPC, an :class:`~contracts.errors.OutputError`; and the whole block's free space
+    is checked before the first row, so a disk that cannot hold it fails at once.
 
     Use as a context manager: both files appear under their final names, atomically, only when the block
-    ends without an error and all ``n`` rows were appended.
+    ends without an error and all ``n`` rows were appended. Then ``records`` holds their ``{"bytes",
+    "sha256"}`` by file name (for the manifest's ``block_files``), the rows' hashed as they were written.
     """
 
     def __init__(self, layout: IndexLayout, name: str, n: int, d: int, dtype=np.float32):
         self.ids_path, self.vec_path = layout.vector_block(name)
         self.n, self.d, self.pos, self.dtype = n, d, 0, np.dtype(dtype)
+        self.records: dict[str, dict] = {}
+        self._sha256 = hashlib.sha256()
         with output_errors(layout.vectors):
             layout.vectors.mkdir(parents=True, exist_ok=True)
 
     def __enter__(self) -> "BlockWriter":
+        header = io.BytesIO()
+        np.lib.format.write_array_header_1_0(header, {"descr": np.lib.format.dtype_to_descr(self.dtype),
+                                                      "fortran_order": False, "shape": (self.n, self.d)})
+        rows_bytes = self.n * self.d * self.dtype.itemsize
+        check_free_space(self.vec_path.parent, header.tell() + rows_bytes + 8 * self.n + 128,
+                         f"vector block {self.vec_path}")
+        self.ids = np.zeros(self.n, dtype=np.int64)
         self._vec_file = atomic_path(self.vec_path)
         tmp = self._vec_file.__enter__()
-        self.ids = np.zeros(self.n, dtype=np.int64)
-        with output_errors(self.vec_path):
-            self.vec = np.lib.format.open_memmap(tmp, mode="w+", dtype=self.dtype, shape=(self.n, self.d))
+        try:
+            with output_errors(self.vec_path):
+                self._file = open(tmp, "wb")
+                self._file.write(header.getvalue())
+                self._sha256.update(header.getvalue())
+        except BaseException as exc:
+            self._vec_file.__exit__(type(exc), exc, exc.__traceback__)
+            raise
         return self
 
+    def _write_rows(self, vectors: np.ndarray) -> None:
+        rows = np.ascontiguousarray(vectors, dtype=self.dtype)
+        if rows.ndim != 2 or rows.shape[1] != self.d:
+            raise IndexBuildError(f"vector block {self.vec_path.name} takes [m, {self.d}] rows, got {rows.shape}")
+        data = memoryview(rows).cast("B")
+        with output_errors(self.vec_path):
+            self._file.write(data)
+        self._sha256.update(data)
+
     def append(self, item_id: int, vector: np.ndarray) -> None:
-        self.ids[self.pos] = item_id
-        self.vec[self.pos] = vector
-        self.pos += 1
+        self.extend(np.asarray([item_id], dtype=np.int64), np.asarray(vector).reshape(1, -1))
 
     def extend(self, ids: np.ndarray, vectors: np.ndarray) -> None:
         """Append many rows at once."""
         end = self.pos + len(ids)
+        if end > self.n:
+            raise IndexBuildError(f"vector block {self.vec_path.name} holds {self.n} rows, not {end}")
+        self._write_rows(vectors)
         self.ids[self.pos:end] = ids
-        self.vec[self.pos:end] = vectors
         self.pos = end
 
     def __exit__(self, exc_type, exc, tb) -> bool:
-        self.vec.flush()
-        del self.vec
+        try:
+            with output_errors(self.vec_path):
+                self._file.close()  # flushes: a full disk can still fail here
+        except OutputError as closing:
+            if exc_type is None:
+                exc_type, exc, tb = OutputError, closing, None
         if exc_type is None and self.pos != self.n:
             exc = IndexBuildError(f"vector block {self.vec_path.name} has {self.pos} of {self.n} rows")
             exc_type = type(exc)
@@ -76,9 +112,34 @@ class BlockWriter:
                 raise exc
             return False
         self._vec_file.__exit__(None, None, None)  # fsync + rename
+        ids = io.BytesIO()
+        np.save(ids, self.ids)
         with atomic_write(self.ids_path) as f:  # after the vectors: a block is complete when its ids exist
-            np.save(f, self.ids)
+            f.write(ids.getvalue())
+        self.records = {
+            self.vec_path.name: {"bytes": self.vec_path.stat().st_size, "sha256": self._sha256.hexdigest()},
+            self.ids_path.name: {"bytes": ids.tell(), "sha256": hashlib.sha256(ids.getvalue()).hexdigest()}}
         return False
+
+
+def open_block(layout: IndexLayout, name: str) -> tuple[np.ndarray, np.ndarray]:
+    """``(ids, vectors)`` of block ``name``: int64 ``[n]`` and ``[n, D]``, memory-mapped read-only.
+
+    Raises:
+        ArtifactError: a block file missing, truncated or not a matching pair of arrays.
+    """
+    ids_path, vec_path = layout.vector_block(name)
+    try:
+        # numpy refuses to map a file shorter than its header's shape, so a truncated block is an error here
+        ids = np.load(ids_path, mmap_mode="r")
+        vec = np.load(vec_path, mmap_mode="r")
+    except (OSError, ValueError, EOFError) as exc:
+        raise ArtifactError(f"vector block {name} of {layout.root} is unreadable ({exc}); rebuild with "
+                            "`moco index --rebuild`") from exc
+    if ids.ndim != 1 or ids.dtype != np.int64 or vec.ndim != 2 or len(vec) != len(ids):
+        raise ArtifactError(f"vector block {name} of {layout.root} is damaged (ids {ids.dtype} {ids.shape}, vectors "
+                            f"{vec.dtype} {vec.shape}); rebuild with `moco index --rebuild`")
+    return ids, vec
 
 
 def live_blocks(layout: IndexLayout, names: list[str], live_ids: np.ndarray
@@ -90,9 +151,7 @@ def live_blocks(layout: IndexLayout, names: list[str], live_ids: np.ndarray
     """
     def blocks() -> Iterator[tuple[np.ndarray, np.ndarray]]:
         for name in names:
-            ids_path, vec_path = layout.vector_block(name)
-            ids = np.load(ids_path)
-            vec = np.load(vec_path, mmap_mode="r")
+            ids, vec = open_block(layout, name)
             for start in range(0, len(ids), READ_ROWS):
                 sub = ids[start:start + READ_ROWS]
                 keep = is_in_sorted(sub, live_ids)
@@ -116,10 +175,7 @@ def block_exists(layout: IndexLayout, name: str) -> bool:
 
 def block_rows(layout: IndexLayout, names: list[str]) -> int:
     """Rows (live or not) of the named blocks, from their headers."""
-    total = 0
-    for name in names:
-        total += len(np.load(layout.vector_block(name)[0], mmap_mode="r"))
-    return total
+    return sum(len(open_block(layout, name)[0]) for name in names)
 
 
 class BlockVectors:
@@ -132,13 +188,8 @@ class BlockVectors:
     def __init__(self, layout: IndexLayout, names: list[str]):
         ids, self._vectors, offsets = [], [], [0]
         for name in names:
-            ids_path, vec_path = layout.vector_block(name)
-            try:
-                block_ids = np.load(ids_path)
-                self._vectors.append(np.load(vec_path, mmap_mode="r"))
-            except (OSError, ValueError) as exc:
-                raise ArtifactError(f"vector block {name} of {layout.root} is unreadable ({exc}); rebuild with "
-                                    "`moco index --rebuild`") from exc
+            block_ids, vec = open_block(layout, name)
+            self._vectors.append(vec)
             ids.append(block_ids)
             offsets.append(offsets[-1] + len(block_ids))
         self.ids = np.concatenate(ids) if ids else np.zeros(0, dtype=np.int64)

@@ -184,7 +184,7 @@ class SearchEngine:
         self._current = self._open(reuse=None)
         self._swap_lock = threading.Lock()
         self._failed_generation: str | None = None
-        self._pointer_problem: str | None = None  # the last unreadable-CURRENT message logged
+        self._pointer_problem: str | None = None  # the last CURRENT problem logged
         self.swaps = 0
         self.last_swap: float | None = None  # time.time() of the last switch to a new generation
         self.queries = 0  # query images answered
@@ -254,8 +254,9 @@ class SearchEngine:
             try:
                 live = current_generation(self.index_dir)
             except ArtifactError as exc:
-                if str(exc) != self._pointer_problem:  # once per problem, not once per poll
-                    LOG.warning("cannot read the live generation of %s: %s", self.index_dir, exc)
+                if str(exc) != self._pointer_problem:  # once per problem, not every poll
+                    LOG.warning("cannot read the live generation of %s (still serving %s): %s", self.index_dir,
+                                self._current.name, exc)
                     self._pointer_problem = str(exc)
                 return False
             self._pointer_problem = None

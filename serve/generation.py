@@ -19,10 +19,19 @@ import numpy as np
 
 from moco_retrieval.contracts.errors import ArtifactError
 from moco_retrieval.indexer.encoder import OnnxEncoder
+from moco_retrieval.indexer.factory import Factory
 from moco_retrieval.indexer.index_dir import IndexDirectory
 from moco_retrieval.indexer.layout import current_generation
+from moco_retrieval.indexer.manifest import check_encoder_copy
 
 LOG = logging.getLogger(__name__)
+
+# Inner products of L2-normalized vectors lie in [-1, 1]. Scores of exact storage (float32 rows; candidates
+# re-ranked with the float16 blocks, whose rounding moves a score by at most 2^-11 by Cauchy-Schwarz) stay
+# within SCORE_SLACK of that range; compressed codes searched without re-ranking (a custom factory string such as
+# "IVF256,SQ8") only approximate them. Past the slack a result is damage, never served.
+SCORE_SLACK = 1e-3
+LOSSY_SCORE_SLACK = 0.5
 
 _shared_lock = threading.Lock()
 _shared: dict[tuple[str, str], list] = {}  # (index dir, generation) -> [IndexDirectory, users]
@@ -82,6 +91,10 @@ class ServedGeneration:
         self._retired = False
         self._closed = False
         self._labels: dict[str, int] | None = None
+        exact = (Factory.parse(self.manifest.factory).kind in ("flat", "hnsw", "ivf")
+                 or "refine" in self.manifest.search_params)
+        self._score_slack = SCORE_SLACK if exact else LOSSY_SCORE_SLACK
+        self._damage_logged = False
 
     @classmethod
     def open(cls, index_dir: str | os.PathLike, *, model: str | os.PathLike | None, reuse: OnnxEncoder | None,
@@ -106,6 +119,8 @@ class ServedGeneration:
             if reuse is not None and model is None and reuse.sha256 == manifest.model_sha256:
                 encoder = reuse
             else:
+                if model is None:  # the index's own copy: refused (damaged, replaced) before ONNX Runtime parses it
+                    check_encoder_copy(directory.encoder_path, manifest, str(index_dir))
                 encoder = OnnxEncoder(model if model is not None else directory.encoder_path, device=device,
                                       threads=threads, spin=spin)
             manifest.check_encoder(encoder.sha256, encoder.embedding_dim, encoder.path, str(index_dir),
@@ -160,13 +175,37 @@ class ServedGeneration:
         return int(self.directory.index.ntotal)
 
     def search(self, xq: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """Inner-product search: ``xq`` float32 ``[n, d]`` -> ``(D, I)`` float32 / int64 ``[n, k]`` (-1 pads)."""
+        """Inner-product search: ``xq`` float32 ``[n, d]`` -> ``(D, I)`` float32 / int64 ``[n, k]`` (-1 pads).
+
+        Raises:
+            ArtifactError: a result no intact index can give (see :meth:`_check_results`).
+        """
         k = max(1, min(k, self.ntotal))
         with self._faiss_lock:
             if self.faiss_threads is not None:  # an OpenMP setting is per calling thread: set it in this one
                 faiss.omp_set_num_threads(self.faiss_threads)
             D, I = self.directory.index.search(np.ascontiguousarray(xq, dtype=np.float32), k)
+        self._check_results(D, I)
         return D, I
+
+    def _check_results(self, D: np.ndarray, I: np.ndarray) -> None:
+        """Refuse results that only damaged bytes make: a score outside [-1 - slack, 1 + slack] (or NaN) on
+        normalized vectors, an id never given out. Damage inside vectors.faiss or delta.faiss otherwise came back
+        as results that look normal (one id first for every query at a score of 1e36)."""
+        found = I >= 0
+        bad = (found & ~(np.abs(D) <= 1.0 + self._score_slack)) | (I < -1) | (I >= self.manifest.next_id)
+        if not bad.any():
+            return
+        q, j = (int(a[0]) for a in np.nonzero(bad))
+        what = (f"item {int(I[q, j])} at a score of {float(D[q, j]):.4g}, outside [-1, 1] for normalized vectors"
+                if 0 <= I[q, j] < self.manifest.next_id else f"the id {int(I[q, j])}, which it never gave out")
+        message = (f"generation {self.name} of {self.directory.path} answered {what}: its FAISS files are damaged; "
+                   f"check it with `moco index --verify --out {self.directory.path}` and rebuild with "
+                   "`moco index --rebuild`")
+        if not self._damage_logged:  # once per generation: a damaged index under load would flood the log
+            LOG.error("refused a search result: %s", message)
+            self._damage_logged = True
+        raise ArtifactError(message)
 
     def vector(self, item_id: int) -> np.ndarray | None:
         """The stored vector ``[d]`` of ``item_id``, or ``None`` when this index type cannot give it back."""

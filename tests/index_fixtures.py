@@ -125,3 +125,49 @@ def touch_files(root: Path, names) -> None:
     for name in names:
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).touch()
+
+
+def write_tiny_encoder(path: Path, d: int = 16, image_size: int = 16, seed: int = 0) -> Path:
+    """A real, 50 kB ``encoder.onnx`` with our metadata: centred pixels times a fixed random matrix,
+    L2-normalized. It loads in milliseconds where an exported ResNet-18 (45 MB) takes most of a second, so
+    tests that start ``moco`` many times (the damage matrix) stay fast; nothing about it is learned."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    from moco_retrieval.contracts.encoder_format import (
+        ENCODER_FORMAT,
+        ENCODER_FORMAT_VERSION,
+        IMAGENET_MEAN,
+        IMAGENET_STD,
+        INPUT_NAME,
+        OUTPUT_NAME,
+        RESIZE_POLICY,
+        encode_metadata,
+    )
+
+    pixels = image_size * image_size * 3
+    weights = np.random.default_rng(seed).normal(size=(pixels, d)).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("Cast", [INPUT_NAME], ["x"], to=TensorProto.FLOAT),
+         helper.make_node("Sub", ["x", "centre"], ["centred"]),
+         helper.make_node("Reshape", ["centred", "shape"], ["flat"]),
+         helper.make_node("MatMul", ["flat", "weights"], ["projected"]),
+         helper.make_node("LpNormalization", ["projected"], [OUTPUT_NAME], axis=1, p=2)],
+        "tiny_encoder",
+        [helper.make_tensor_value_info(INPUT_NAME, TensorProto.UINT8, ["N", image_size, image_size, 3])],
+        [helper.make_tensor_value_info(OUTPUT_NAME, TensorProto.FLOAT, ["N", d])],
+        initializer=[numpy_helper.from_array(np.array(127.5, dtype=np.float32), "centre"),
+                     numpy_helper.from_array(np.array([-1, pixels], dtype=np.int64), "shape"),
+                     numpy_helper.from_array(weights, "weights")])
+    # IR version 8: onnx 1.23 writes 14 by default, newer than ONNX Runtime 1.31 reads (13)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8)
+    meta = encode_metadata({"format": ENCODER_FORMAT, "format_version": ENCODER_FORMAT_VERSION,
+                            "image_size": image_size, "embedding_dim": d, "arch": "tiny-test", "moco_version": 2,
+                            "resize": RESIZE_POLICY, "mean": IMAGENET_MEAN, "std": IMAGENET_STD,
+                            "run_id": f"tiny-{seed}"})
+    onnx.helper.set_model_props(model, meta)
+    onnx.checker.check_model(model)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, str(path))
+    return path
