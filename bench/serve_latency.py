@@ -72,9 +72,10 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_server(index: Path, port: int, device: str, threads: int | None, ui: bool = False) -> subprocess.Popen:
+def start_server(index: Path, port: int, device: str, threads: int | None, ui: bool = False,
+                 metrics: bool = True) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "moco_retrieval", "serve", str(index), "--port", str(port), "--device", device,
-           "--poll-seconds", "0"] + ([] if ui else ["--no-ui"])
+           "--poll-seconds", "0"] + ([] if ui else ["--no-ui"]) + ([] if metrics else ["--no-metrics"])
     if threads:
         cmd += ["--threads", str(threads)]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
@@ -160,6 +161,8 @@ def main() -> None:
                    help="ResNet-18 stem of the built index's encoder: auto = small at 32 px (3x3 stride 1, about "
                         "16x the compute), imagenet = the demo's (7x7 stride 2 + max-pool)")
     p.add_argument("--ui", action="store_true", help="mount the Gradio UI too (as `moco serve` does by default)")
+    p.add_argument("--no-metrics", dest="metrics", action="store_false",
+                   help="serve without /metrics (to measure what the Prometheus metrics cost)")
     p.add_argument("--corpus", type=int, default=2000, help="images in the built index (default 2000)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16], help="client threads per level")
     p.add_argument("--requests", type=int, default=300, help="timed requests per level")
@@ -184,7 +187,7 @@ def main() -> None:
                            / "manifest.json").read_text())
 
     port = free_port()
-    server = start_server(index, port, args.device, args.threads, args.ui)
+    server = start_server(index, port, args.device, args.threads, args.ui, args.metrics)
     try:
         levels = []
         for c in args.concurrency:
@@ -204,7 +207,7 @@ def main() -> None:
                   "model": manifest.get("model")},
         "query_bytes_mean": float(np.mean([len(p) for p in payloads])),
         "device": args.device, "threads": args.threads, "stem": args.stem if args.index_dir is None else None,
-        "ui": args.ui, "cpu_count": os.cpu_count(),
+        "ui": args.ui, "metrics": args.metrics, "cpu_count": os.cpu_count(),
         "platform": platform.platform(), "python": platform.python_version(),
         "command": " ".join([Path(sys.argv[0]).as_posix()] + sys.argv[1:]), "levels": levels,
     }

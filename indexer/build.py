@@ -40,7 +40,7 @@ from moco_retrieval.contracts.filenames import display_name
 from moco_retrieval.contracts.launch import WorldInfo, world_info_from_env
 from moco_retrieval.indexer import faiss_index, integrity, update
 from moco_retrieval.indexer.embed import FolderEmbedder
-from moco_retrieval.indexer.encoder import OnnxEncoder, available_cores
+from moco_retrieval.indexer.encoder import OnnxEncoder, available_cores, read_encoder_metadata
 from moco_retrieval.indexer.factory import Factory
 from moco_retrieval.indexer.index_dir import IndexDirectory
 from moco_retrieval.indexer.layout import (
@@ -240,6 +240,11 @@ def build_index_dir(cfg: IndexConfig, embedder=None, scanner=None) -> IndexResul
     world = world_info_from_env()
     layout = IndexLayout(Path(cfg.out_dir).absolute())
     image_root = Path(cfg.image_dir).absolute()
+    # inputs first: a missing model or folder fails before anything is created, locked or scanned
+    if embedder is None:
+        read_encoder_metadata(cfg.model)
+    if scanner is None and not image_root.is_dir():
+        raise DataError(f"image folder not found: {image_root}")
     with output_errors(layout.root):
         if layout.root.exists() and not layout.root.is_dir():
             raise OutputError(f"--out {layout.root} exists and is not a folder; choose another --out")

@@ -381,3 +381,14 @@ def test_index__second_writer_is_refused_while_one_runs(corpus, tmp_path):
         fcntl.flock(held.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         with pytest.raises(ArtifactError, match="another `moco index` is writing"):
             build_index_dir(_cfg(corpus[0], tmp_path / "unused.onnx", out))
+
+
+def test_index_cli__missing_model_or_folder_fails_before_anything_is_created(corpus, index_encoder, tmp_path):
+    data, _ = corpus
+    for args, code, words in (((data, "--model", tmp_path / "missing.onnx"), 4, "missing.onnx"),
+                              ((tmp_path / "no-images", "--model", index_encoder), 3, "image folder not found")):
+        out = tmp_path / "idx"
+        proc = _cli("index", *args, "--out", out, "--workers", "0", "--no-progress")
+        assert proc.returncode == code, proc.stderr
+        assert words in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+        assert not out.exists()  # no empty folder, no .lock left behind
