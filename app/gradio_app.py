@@ -29,8 +29,8 @@ from pathlib import Path
 import gradio as gr
 from fastapi import FastAPI
 
-from moco_retrieval.contracts.atomic import atomic_write
-from moco_retrieval.contracts.errors import MocoError, OutputError
+from moco_retrieval.contracts.atomic import atomic_write, check_writable
+from moco_retrieval.contracts.errors import MocoError
 from moco_retrieval.contracts.filenames import display_name
 from moco_retrieval.contracts.knn import KNN_TEMPERATURE, SEARCH_K
 from moco_retrieval.serve.engine import SearchEngine, knn_vote
@@ -234,14 +234,8 @@ def check_upload_folder() -> Path:
     from gradio.utils import get_upload_folder
 
     folder = Path(get_upload_folder())
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        probe = folder / f".write-test-{os.getpid()}"
-        probe.write_bytes(b"ok")
-        probe.unlink()
-    except OSError as exc:
-        raise OutputError(f"the web app's upload folder {folder} is not writable ({exc.strerror or exc}); set "
-                          "GRADIO_TEMP_DIR to a writable folder, or serve the API alone with --no-ui") from exc
+    check_writable(folder, "the web app's upload folder", "set GRADIO_TEMP_DIR to a writable folder, or serve the "
+                   "API alone with --no-ui")
     return folder
 
 

@@ -134,11 +134,14 @@ def make_encoder(work: Path) -> Path:
 def _export(work: Path) -> None:
     import torch
 
-    from tests._checkpoints import write_checkpoint
+    from moco_retrieval.trainer.checkpoint import write_random_init_checkpoint
+    from moco_retrieval.trainer.config import TrainConfig
     from moco_retrieval.trainer.export import export_encoder
 
     torch.set_num_threads(1)
-    run = write_checkpoint(None, work / "run", seed=0)
+    cfg = TrainConfig(data_dir="", out_dir=str(work / "run"), arch="resnet18", stem="imagenet", image_size=32,
+                      batch_size=16, queue_size=32, workers=0, device="cpu", knn_every=0)
+    run = write_random_init_checkpoint(cfg, work / "run", seed=0)
     export_encoder(run, work / "encoder.onnx", verify=False)
 
 

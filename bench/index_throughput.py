@@ -21,19 +21,15 @@ import logging
 import os
 import platform
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # the bench reuses the tests' checkpoint writer
-
-from moco_retrieval.indexer.build import IndexConfig, build_index_dir  # noqa: E402
-from moco_retrieval.indexer.decode import decode_files  # noqa: E402
-from moco_retrieval.indexer.encoder import OnnxEncoder  # noqa: E402
+from moco_retrieval.indexer.build import IndexConfig, build_index_dir
+from moco_retrieval.indexer.decode import decode_files
+from moco_retrieval.indexer.encoder import OnnxEncoder
 
 OUT = Path(__file__).resolve().parent / "results"
 
@@ -41,10 +37,13 @@ OUT = Path(__file__).resolve().parent / "results"
 def make_encoder(root: Path, image_size: int) -> Path:
     import torch
 
-    from tests._checkpoints import write_checkpoint
+    from moco_retrieval.trainer.checkpoint import write_random_init_checkpoint
+    from moco_retrieval.trainer.config import TrainConfig
     from moco_retrieval.trainer.export import export_encoder
 
-    run = write_checkpoint(None, root / "run", seed=0, image_size=image_size, stem="imagenet")
+    cfg = TrainConfig(data_dir="", out_dir=str(root / "run"), arch="resnet18", stem="imagenet", image_size=image_size,
+                      batch_size=16, queue_size=32, workers=0, device="cpu", knn_every=0)
+    run = write_random_init_checkpoint(cfg, root / "run", seed=0)
     torch.set_num_threads(os.cpu_count() or 1)
     return export_encoder(run, root / "encoder.onnx", verify=False).path
 

@@ -43,6 +43,23 @@ class output_errors:
         raise OutputError(f"cannot write {self.what} ({exc.strerror or exc}); {self.hint}") from exc
 
 
+def check_writable(folder: str | os.PathLike, what: str, hint: str) -> Path:
+    """Create ``folder`` if needed and prove it can be written (a probe file, removed), before long work.
+
+    Raises:
+        OutputError: ``"cannot write to <what> <folder> (<reason>); <hint>"``.
+    """
+    folder = Path(folder)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".write-test-{os.getpid()}"
+        probe.write_bytes(b"ok")
+        probe.unlink()
+    except OSError as exc:
+        raise OutputError(f"cannot write to {what} {folder} ({exc.strerror or exc}); {hint}") from exc
+    return folder
+
+
 def check_free_space(folder: str | os.PathLike, needed: int, what: str) -> None:
     """Refuse to start writing ``needed`` bytes of ``what`` into ``folder`` when its disk has less free space:
     one line before the work instead of a full disk part-way through it (or a SIGBUS, for a file written

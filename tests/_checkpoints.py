@@ -11,17 +11,12 @@ from pathlib import Path
 
 import torch
 
-from tests.conftest import resolved_config, tiny_train_config
-from moco_retrieval.trainer.checkpoint import CHECKPOINT_FORMAT, CHECKPOINT_VERSION, LAST, save_atomic
+from moco_retrieval.trainer.checkpoint import write_random_init_checkpoint
 from moco_retrieval.trainer.variants import build_model
+from tests.conftest import tiny_train_config
 
 
-def write_checkpoint(data_dir: Path | None, run_dir: Path, seed: int = 0, **overrides) -> Path:
-    """Write ``run_dir/checkpoint_last.pt`` for ``tiny_train_config`` + ``overrides``; returns ``run_dir``."""
-    cfg = resolved_config(tiny_train_config(data_dir or run_dir / "no-data", run_dir, run_id=f"test-run-{seed}",
-                                            **overrides))
-    torch.manual_seed(seed)
-    model = build_model(cfg, bn_splits=1)
+def _non_trivial(model: torch.nn.Module) -> None:
     with torch.no_grad():
         for module in model.modules():
             if isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
@@ -29,12 +24,12 @@ def write_checkpoint(data_dir: Path | None, run_dir: Path, seed: int = 0, **over
                 module.running_var.uniform_(0.5, 2.0)
         for param in model.encoder_k.parameters():  # a momentum encoder that differs from the query encoder
             param.add_(0.5 * torch.randn_like(param))
-    run_dir.mkdir(parents=True, exist_ok=True)
-    save_atomic({
-        "format": CHECKPOINT_FORMAT, "format_version": CHECKPOINT_VERSION, "run_id": cfg.run_id,
-        "config": cfg.to_dict(), "model": model.state_dict(), "epoch": 3, "step": 42,
-    }, run_dir / LAST)
-    return run_dir
+
+
+def write_checkpoint(data_dir: Path | None, run_dir: Path, seed: int = 0, **overrides) -> Path:
+    """Write ``run_dir/checkpoint_last.pt`` for ``tiny_train_config`` + ``overrides``; returns ``run_dir``."""
+    cfg = tiny_train_config(data_dir or run_dir / "no-data", run_dir, run_id=f"test-run-{seed}", **overrides)
+    return write_random_init_checkpoint(cfg, run_dir, seed=seed, change=_non_trivial, epoch=3, step=42)
 
 
 def key_backbone(run_dir: Path) -> torch.nn.Module:

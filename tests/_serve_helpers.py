@@ -100,3 +100,33 @@ class RunningServer:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=15)
+
+
+def serve_workers_process(index: Path, workers: int = 2, *options: str):
+    """``moco serve INDEX --workers N`` as its own process on a free port, until the ``with`` block ends (then
+    Ctrl-C, as a user stops it); yields its URL once the supervisor says every worker serves."""
+    import contextlib
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    @contextlib.contextmanager
+    def running():
+        port = free_port()
+        proc = subprocess.Popen([sys.executable, "-m", "moco_retrieval", "serve", str(index), "--port", str(port),
+                                 "--workers", str(workers), "--device", "cpu", "--poll-seconds", "0", *options],
+                                cwd=Path(__file__).resolve().parents[1], env=dict(os.environ, PYTHONUNBUFFERED="1"),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            line = proc.stdout.readline()
+            assert f"with {workers} workers" in line, (line, proc.stderr.read() if proc.poll() is not None else "")
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+    return running()

@@ -255,6 +255,11 @@ def test_packages__import_only_downward():
     assert not bad, bad
 
 
+def test_benches__never_import_the_tests():
+    bad = [str(path.relative_to(REPO)) for path in sorted((REPO / "bench").rglob("*.py")) if "tests" in _imports(path)]
+    assert not bad, bad
+
+
 def test_tests_and_benches__import_the_project_by_its_one_name():
     bad = [f"{path.relative_to(REPO)} imports {name[5:]}" for folder in ("tests", "bench", NAMESPACE)
            for path in sorted((REPO / folder).rglob("*.py")) for name in sorted(_imports(path))

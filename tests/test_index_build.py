@@ -372,7 +372,7 @@ def test_index_cli__one_line_errors(case, index_encoder, corpus, tmp_path):
     assert len(errors) == 1 and "Traceback" not in proc.stderr
 
 
-def test_index__second_writer_is_refused_while_one_runs(corpus, tmp_path):
+def test_index__second_writer_is_refused_while_one_runs(corpus, index_encoder, tmp_path):
     import fcntl
 
     out = tmp_path / "idx"
@@ -380,7 +380,7 @@ def test_index__second_writer_is_refused_while_one_runs(corpus, tmp_path):
     with open(out / ".lock", "a+") as held:
         fcntl.flock(held.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         with pytest.raises(ArtifactError, match="another `moco index` is writing"):
-            build_index_dir(_cfg(corpus[0], tmp_path / "unused.onnx", out))
+            build_index_dir(_cfg(corpus[0], index_encoder, out))
 
 
 def test_index_cli__missing_model_or_folder_fails_before_anything_is_created(corpus, index_encoder, tmp_path):

@@ -1,22 +1,14 @@
 """``GET /metrics``: Prometheus text of one server process, and of all workers under ``--workers 2``."""
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-from pathlib import Path
-
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests._serve_helpers import free_port
+from tests._serve_helpers import serve_workers_process
 
 pytest_plugins = ("tests._serve_fixtures",)
 pytestmark = pytest.mark.filterwarnings("ignore::Warning:gradio.queueing")
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def samples(text: str) -> dict[tuple, float]:
@@ -59,16 +51,8 @@ def test_metrics__requests_phases_queue_generation_and_encoder(live_server, serv
 
 
 def test_metrics__two_workers_report_every_workers_requests(served_index, serve_corpus):
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "moco_retrieval", "serve", str(served_index), "--port", str(port),
-                             "--workers", "2", "--no-ui", "--device", "cpu", "--poll-seconds", "0"], cwd=ROOT,
-                            env=dict(os.environ, PYTHONUNBUFFERED="1"), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    try:
-        line = proc.stdout.readline()
-        assert "with 2 workers" in line, (line, proc.stderr.read() if proc.poll() else "")
-        url = f"http://127.0.0.1:{port}"
-        query = (serve_corpus / "blue" / "blue_001.png").read_bytes()
+    query = (serve_corpus / "blue" / "blue_001.png").read_bytes()
+    with serve_workers_process(served_index, 2, "--no-ui") as url:
         pids = set()
         for _ in range(12):  # a new connection each: the kernel spreads them over both workers
             with httpx.Client(timeout=30) as client:
@@ -81,9 +65,3 @@ def test_metrics__two_workers_report_every_workers_requests(served_index, serve_
                 found = samples(client.get(url + "/metrics").text)
             assert value(found, "moco_http_requests_total", route="/api/search", status="200") == 12
             assert {dict(ls).get("pid") for (n, ls) in found if n == "moco_index_items"} >= pids
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()

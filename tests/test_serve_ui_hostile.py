@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -14,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests._serve_helpers import free_port
+from tests._serve_helpers import free_port, serve_workers_process
 
 pytest_plugins = ("tests._serve_fixtures",)
 pytestmark = pytest.mark.filterwarnings("ignore::Warning:gradio.queueing")
@@ -109,24 +108,10 @@ def test_gradio__uploads_are_trimmed_oldest_first_to_the_cap(tmp_path):
 
 
 def test_gradio__two_workers_refuse_server_paths(served_index, serve_corpus):
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "moco_retrieval", "serve", str(served_index), "--port", str(port),
-                             "--workers", "2", "--device", "cpu", "--poll-seconds", "0"], cwd=ROOT,
-                            env=dict(os.environ, PYTHONUNBUFFERED="1"), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    try:
-        line = proc.stdout.readline()
-        assert f"127.0.0.1:{port}/ with 2 workers" in line, (line, proc.stderr.read() if proc.poll() else "")
-        url = f"http://127.0.0.1:{port}"
+    with serve_workers_process(served_index, 2) as url:
         for _ in range(2):  # connections are spread over the workers: ask each more than once
             assert_refuses_server_paths(url)
         assert httpx.get(url + "/gradio_api/dev/reload", timeout=10).status_code == 404
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 def test_gradio__unknown_paths_answer_404_in_the_projects_error_format(live_server):

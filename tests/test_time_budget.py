@@ -78,3 +78,13 @@ def test_train__interrupted_budget_run_continues_to_the_same_plan(shapes_dir, tm
     assert final["schedule"]["total_steps"] == planned  # the same plan, not a new one
     assert final["step"] > first["step"]
     assert final["step"] == planned or final["schedule"]["spent_seconds"] >= 14  # done, or out of time
+
+
+def test_train__budget_spent_before_the_first_step_still_leaves_a_checkpoint(shapes_dir, tmp_path, monkeypatch):
+    import moco_retrieval.trainer.train as train_module
+
+    monkeypatch.setattr(train_module, "_out_of_time", lambda t, p: True)  # as if startup ate the whole budget
+    cfg = tiny_train_config(shapes_dir, tmp_path / "run", epochs=None, time_budget="6s", batch_size=8, queue_size=16)
+    result = train(cfg)
+    assert result.stopped_by == "time budget" and result.steps == 0
+    assert load_checkpoint(tmp_path / "run")["step"] == 0

@@ -36,6 +36,45 @@ def save_atomic(obj: dict, path: str | Path) -> None:
         torch.save(obj, f)
 
 
+def checkpoint_dict(cfg, model: torch.nn.Module, *, epoch: int, step: int, optimizer=None, batch_in_epoch: int = 0,
+                    schedule: dict | None = None, rng: dict | None = None) -> dict:
+    """The checkpoint of ``model`` (a whole MoCo model) trained as ``cfg`` (a resolved ``TrainConfig``), in the
+    format of the module docstring: what ``moco train`` writes and ``moco export`` reads."""
+    ckpt = {"format": CHECKPOINT_FORMAT, "format_version": CHECKPOINT_VERSION, "run_id": cfg.run_id,
+            "config": cfg.to_dict(), "model": model.state_dict(), "epoch": epoch, "batch_in_epoch": batch_in_epoch,
+            "step": step, "torch_version": str(torch.__version__)}
+    if optimizer is not None:
+        ckpt["optimizer"] = optimizer.state_dict()
+    if schedule is not None:
+        ckpt["schedule"] = schedule
+    if rng is not None:
+        ckpt["rng"] = rng
+    return ckpt
+
+
+def write_random_init_checkpoint(cfg, run_dir: str | Path, seed: int = 0, num_images: int = 96,
+                                 change=None, epoch: int = 0, step: int = 0) -> Path:
+    """``run_dir/checkpoint_last.pt`` of an untrained model of ``cfg`` (options left unset resolved by its
+    recipe as for ``num_images`` images), for exports and benchmarks that need a real encoder but no training
+    (the random-weights baseline). ``change(model)``, when given, edits the model before it is saved; ``epoch``
+    and ``step`` are what the file claims (tests of the metadata an export copies). Returns ``run_dir``."""
+    from moco_retrieval.trainer.recipes import resolve_before_training, resolve_schedule
+    from moco_retrieval.trainer.variants import build_model, variant_for
+
+    variant = variant_for(cfg)
+    cfg = resolve_before_training(cfg, variant, num_images, 1, False)
+    steps = max(1, num_images // cfg.batch_size)
+    cfg = resolve_schedule(cfg, variant, (cfg.epochs or 1) * steps, steps)
+    torch.manual_seed(seed)
+    model = build_model(cfg, bn_splits=1)
+    if change is not None:
+        change(model)
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    save_atomic(checkpoint_dict(cfg, model, epoch=epoch, step=step), run_dir / LAST)
+    return run_dir
+
+
 def rng_state() -> dict:
     """The RNG states of torch, numpy, Python (and CUDA), as tensors and plain values."""
     kind, keys, pos, has_gauss, cached = np.random.get_state()

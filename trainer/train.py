@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import random
 import secrets
 import time
@@ -23,15 +22,14 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from moco_retrieval.contracts.atomic import link_or_copy_atomic, write_text_atomic
-from moco_retrieval.contracts.errors import ConfigError, DataError, OutputError
+from moco_retrieval.contracts.atomic import check_writable, link_or_copy_atomic, write_text_atomic
+from moco_retrieval.contracts.errors import ConfigError, DataError
 from moco_retrieval.contracts.images import no_images_message, walk_image_files
 from moco_retrieval.trainer import dist
 from moco_retrieval.trainer.batch_augment import TwoViewAugment
 from moco_retrieval.trainer.checkpoint import (
-    CHECKPOINT_FORMAT,
-    CHECKPOINT_VERSION,
     LAST,
+    checkpoint_dict,
     load_checkpoint,
     rng_state,
     save_atomic,
@@ -139,16 +137,6 @@ def _step_seed(seed: int, step: int, rank: int) -> int:
 
 def _epoch_seed(seed: int, epoch: int, rank: int) -> int:
     return (seed * 1_000_003 + epoch * 10_007 + rank * 101) % 2**63
-
-
-def _check_writable(run_dir: Path) -> None:
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        probe = run_dir / f".write-test-{os.getpid()}"
-        probe.write_bytes(b"ok")
-        probe.unlink()
-    except OSError as exc:
-        raise OutputError(f"cannot write to run directory {run_dir}: {exc.strerror or exc}") from exc
 
 
 def _merge_saved(cfg: TrainConfig, saved: dict, path: Path) -> TrainConfig:
@@ -320,7 +308,7 @@ def setup(cfg: TrainConfig, device: torch.device, resume: str | Path | None = No
         monitor = KnnMonitor(knn_folder, cfg.image_size, cfg.knn_k, cfg.knn_temperature, cfg.knn_max_images,
                              batch_size=max(64, per_process_batch), cache_root=cfg.cache_dir, workers=cfg.workers)
     if is_main:
-        _check_writable(run_dir)
+        check_writable(run_dir, "run directory", "choose a writable --out")
     dist.barrier()
 
     model, ddp_model, optimizer, bn_splits = _build_model(cfg, variant, device, ckpt)
@@ -505,12 +493,8 @@ def save(t: Trainee, p: Progress) -> None:
     schedule = {"total_steps": p.schedule.total_steps, "warmup_steps": p.schedule.warmup_steps}
     if p.budget is not None:
         schedule.update(total_steps=p.budget.total_steps, spent_seconds=p.budget.elapsed())
-    save_atomic({
-        "format": CHECKPOINT_FORMAT, "format_version": CHECKPOINT_VERSION, "run_id": p.cfg.run_id,
-        "config": p.cfg.to_dict(), "model": t.model.state_dict(), "optimizer": t.optimizer.state_dict(),
-        "epoch": p.epoch, "batch_in_epoch": p.batch_in_epoch, "step": p.step, "rng": rng_state(),
-        "schedule": schedule, "torch_version": str(torch.__version__),
-    }, t.run_dir / LAST)
+    save_atomic(checkpoint_dict(p.cfg, t.model, epoch=p.epoch, step=p.step, optimizer=t.optimizer,
+                                batch_in_epoch=p.batch_in_epoch, schedule=schedule, rng=rng_state()), t.run_dir / LAST)
     p.last_save = time.perf_counter()
     p.save_seconds = p.last_save - tic
     p.saved_step = p.step
@@ -597,6 +581,10 @@ def run(t: Trainee, p: Progress, stop_at_epoch: int | None = None) -> TrainResul
     except KeyboardInterrupt:
         _save_on_interrupt(t, p)
         raise
+    if t.is_main and not (t.run_dir / LAST).exists():
+        # a budget spent before the first epoch ended (a slow start, a tiny budget): the run still leaves a
+        # checkpoint, so `moco export` and a rerun find one (the demo's export failed here under load)
+        save(t, p)
     if p.resumed and p.step == start_step:
         LOG.info("%s already trained (%d steps); nothing to do", t.run_dir, p.step)
     if stopped is None:
