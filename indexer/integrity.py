@@ -136,26 +136,18 @@ def _problem(path: Path, want: dict, hashed: bool) -> str | None:
 
 def _problems(layout: IndexLayout, manifest: IndexManifest, gen: GenerationPaths, hashed, blocks: bool,
               hashed_blocks: bool, checked: Checked, ignore: Collection[str] = ()):
-    for name, want in manifest.files.items():
-        if name in ignore:
-            continue
-        do_hash = hashed is ALL or name in hashed
-        problem = _problem(gen.file(name), want, do_hash)
+    wanted = [(gen.file(name), want, hashed is ALL or name in hashed)
+              for name, want in manifest.files.items() if name not in ignore]
+    if blocks:
+        wanted += [(layout.block_file(name), want, hashed_blocks) for name, want in manifest.block_files.items()]
+    for path, want, do_hash in wanted:
+        problem = _problem(path, want, do_hash)
         checked.files += 1
         if do_hash:
             checked.hashed += 1
             checked.bytes_hashed += want["bytes"]
         if problem:
             yield problem
-    if blocks:
-        for name, want in manifest.block_files.items():
-            problem = _problem(layout.block_file(name), want, hashed_blocks)
-            checked.files += 1
-            if hashed_blocks:
-                checked.hashed += 1
-                checked.bytes_hashed += want["bytes"]
-            if problem:
-                yield problem
 
 
 def check_files(layout: IndexLayout, generation: str, manifest: IndexManifest, hashed: Collection[str] | bool = (),

@@ -115,7 +115,7 @@ class Index:
         return self._engine.item(item_id)
 
     def __len__(self) -> int:
-        return self._engine.stats()["items"]
+        return self._engine.item_count()
 
     @property
     def labels(self) -> dict[str, int]:

@@ -37,10 +37,6 @@ def tiny_train_config(data_dir: Path, out_dir: Path, **overrides):
 
 def resolved_config(cfg, num_images: int = 96):
     """``cfg`` with every option a recipe would fill filled (as the run would, on ``num_images`` images)."""
-    from moco_retrieval.trainer.recipes import resolve_before_training, resolve_schedule
-    from moco_retrieval.trainer.variants import variant_for
+    from moco_retrieval.trainer.recipes import resolve_for_images
 
-    variant = variant_for(cfg)
-    cfg = resolve_before_training(cfg, variant, num_images, 1, False)
-    steps = num_images // cfg.batch_size
-    return resolve_schedule(cfg, variant, (cfg.epochs or 1) * steps, steps)
+    return resolve_for_images(cfg, num_images)

@@ -58,13 +58,10 @@ def write_random_init_checkpoint(cfg, run_dir: str | Path, seed: int = 0, num_im
     recipe as for ``num_images`` images), for exports and benchmarks that need a real encoder but no training
     (the random-weights baseline). ``change(model)``, when given, edits the model before it is saved; ``epoch``
     and ``step`` are what the file claims (tests of the metadata an export copies). Returns ``run_dir``."""
-    from moco_retrieval.trainer.recipes import resolve_before_training, resolve_schedule
-    from moco_retrieval.trainer.variants import build_model, variant_for
+    from moco_retrieval.trainer.recipes import resolve_for_images
+    from moco_retrieval.trainer.variants import build_model
 
-    variant = variant_for(cfg)
-    cfg = resolve_before_training(cfg, variant, num_images, 1, False)
-    steps = max(1, num_images // cfg.batch_size)
-    cfg = resolve_schedule(cfg, variant, (cfg.epochs or 1) * steps, steps)
+    cfg = resolve_for_images(cfg, num_images)
     torch.manual_seed(seed)
     model = build_model(cfg, bn_splits=1)
     if change is not None:

@@ -166,3 +166,14 @@ def resolve_schedule(cfg: TrainConfig, variant: Variant, total_steps: int, steps
                    f"{AUTO_TAU_FRACTION} of the {total_steps}-step run, within {low}-{high}): 0.99 learned in "
                    "1,400 steps where the paper's 0.999 barely moves the key encoder")
     return cfg
+
+
+def resolve_for_images(cfg: TrainConfig, num_images: int, world_size: int = 1, on_gpu: bool = False) -> TrainConfig:
+    """``cfg`` with every option the recipe fills filled, as a run over ``num_images`` images would fill them
+    (without a folder or a time budget: for configs built outside a run, e.g. a random-init checkpoint)."""
+    from moco_retrieval.trainer.variants import variant_for
+
+    variant = variant_for(cfg)
+    cfg = resolve_before_training(cfg, variant, num_images, world_size, on_gpu)
+    steps = max(1, num_images // cfg.batch_size)
+    return resolve_schedule(cfg, variant, (cfg.epochs or 1) * steps, steps)
