@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
@@ -23,6 +24,17 @@ from moco_retrieval.indexer.scan import ScanEntry
 from moco_retrieval.indexer.shards import WorkShards
 
 LOG = logging.getLogger(__name__)
+
+
+class Embedder(Protocol):
+    """What ``moco index`` needs from a model (see the module docstring)."""
+
+    encoder: OnnxEncoder  # or anything with its path, sha256, embedding_dim, metadata and provider
+
+    def embed_into(self, entries: list[ScanEntry], shards: WorkShards, progress: bool = True) -> dict:
+        """Put a result for every entry no finished shard holds into ``shards``; returns ``embedded`` and
+        ``resumed`` (counts) and seconds per phase (``embed``, ``encoder``, ``decode_wait``, ``decode_cpu``)."""
+        ...
 
 
 class FolderEmbedder:
