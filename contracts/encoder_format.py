@@ -43,6 +43,15 @@ REQUIRED_KEYS = ("format", "format_version", "image_size", "embedding_dim", "arc
                  "mean", "std")
 
 
+SUMMARY_KEYS = ("arch", "moco_version", "image_size", "embedding_dim", "resize", "precision", "run_id",
+                "format_version")  # what an index's manifest and `/api/info` say about the model
+
+
+def model_summary(meta: dict) -> dict:
+    """The keys of an encoder's metadata that describe the model to a person (``SUMMARY_KEYS``, those present)."""
+    return {k: meta[k] for k in SUMMARY_KEYS if k in meta}
+
+
 def encode_metadata(meta: dict) -> dict[str, str]:
     """Every value as the string stored in ``metadata_props`` (lists as JSON)."""
     return {key: json.dumps(list(value)) if key in JSON_KEYS else str(value) for key, value in meta.items()}

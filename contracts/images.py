@@ -81,7 +81,7 @@ def is_image_name(name: str) -> bool:
     return not is_hidden(name) and name.lower().endswith(IMAGE_EXTENSIONS)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # slots: a scan of 10M files holds 10M of them
 class FoundFile:
     """One image-named file of a folder walk.
 

@@ -37,12 +37,15 @@ from pathlib import Path
 import numpy as np
 
 from moco_retrieval.contracts.atomic import atomic_write, link_or_copy_atomic, output_errors, write_json_atomic
+from moco_retrieval.contracts.encoder_format import model_summary
 from moco_retrieval.contracts.errors import ArtifactError, ConfigError, DataError, OutputError
 from moco_retrieval.contracts.filenames import display_name
+from moco_retrieval.contracts.images import FoundFile
 from moco_retrieval.contracts.launch import WorldInfo, world_info_from_env
 from moco_retrieval.indexer import faiss_index, integrity, update
 from moco_retrieval.indexer.embed import Embedder, FolderEmbedder
 from moco_retrieval.indexer.encoder import OnnxEncoder, available_cores, read_encoder_metadata
+from moco_retrieval.indexer.config import IndexConfig
 from moco_retrieval.indexer.factory import Factory
 from moco_retrieval.indexer.index_dir import IndexDirectory
 from moco_retrieval.indexer.layout import (
@@ -61,15 +64,12 @@ from moco_retrieval.indexer.layout import (
 from moco_retrieval.indexer.manifest import IndexManifest, file_sha256
 from moco_retrieval.indexer.metadata import MetadataStore, link_store, materialize
 from moco_retrieval.indexer.plan import Plan, plan_full, plan_listed, read_changed_list, scan_listed
-from moco_retrieval.indexer.ranks import DEFAULT_TIMEOUT_S, Rendezvous, part_of_plan, plan_digest
-from moco_retrieval.indexer.scan import ScanEntry, read_labels_csv, scan_folder
+from moco_retrieval.indexer.ranks import Rendezvous, part_of_plan, plan_digest
+from moco_retrieval.indexer.scan import read_labels_csv, scan_folder
 from moco_retrieval.indexer.shards import WorkShards, discard_other_models
 from moco_retrieval.indexer.vectors import BlockVectors, BlockWriter, block_dtype, block_exists, live_blocks
 
 LOG = logging.getLogger(__name__)
-
-COMPACT_MODES = ("auto", "now", "never")
-
 
 def default_workers(world: WorldInfo | None = None) -> int:
     """Decoding processes of one rank: its share of the cores but the one feeding the encoder, at most 16
@@ -78,63 +78,6 @@ def default_workers(world: WorldInfo | None = None) -> int:
     if world is not None and world.local_world_size > 1:
         return max(0, min(16, cores - 1))
     return max(1, min(16, cores - 1))
-
-
-def parse_bytes(text: str | int | None) -> int | None:
-    """``"8G"``, ``"512M"``, ``"1.5T"`` or a number of bytes -> bytes.
-
-    Raises:
-        ConfigError: not a size.
-    """
-    if text is None or isinstance(text, int):
-        return text
-    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-    s = str(text).strip().lower().removesuffix("b").removesuffix("i")
-    try:
-        value = float(s[:-1]) * units[s[-1]] if s and s[-1] in units else float(s)
-    except ValueError:
-        raise ConfigError(f"--max-index-memory must be a size like 8G or 512M, got {text!r}") from None
-    if value <= 0:
-        raise ConfigError(f"--max-index-memory must be positive, got {text!r}")
-    return int(value)
-
-
-@dataclass
-class IndexConfig:
-    """Everything ``moco index`` needs; the CLI builds it and nothing more."""
-
-    image_dir: str                      # folder of images, scanned recursively
-    model: str                          # encoder.onnx from `moco export`
-    out_dir: str                        # the index directory (created; updated in place on later runs)
-    index_type: str = "auto"            # auto, flat, hnsw, ivf, ivfpq or a FAISS factory string
-    batch_size: int = 64                # images per encoder call
-    workers: int | None = None          # decoding processes per rank (0 = in the rank; None: default_workers)
-    device: str = "auto"                # encoder device: auto (GPU when usable), cpu or cuda
-    labels_csv: str | None = None       # optional path,label CSV; default labels are first-level subfolders
-    rebuild: bool = False               # ignore the existing index (another model, another folder) and start over
-    shard_size: int = 1024              # embeddings per resumable shard
-    target_recall: float = faiss_index.TARGET_RECALL  # recall@10 the search parameters are tuned to reach
-    progress: bool = True               # show a progress bar
-    max_index_memory: int | str | None = None  # RAM the index may take ("8G"); default half the machine's
-    compact: str = "auto"               # auto (past 5% of changes), now, never
-    changed_list: str | None = None     # file of relative paths to look at instead of rescanning the folder
-    rank_timeout: float = DEFAULT_TIMEOUT_S  # rank 0 gives up on a rank without progress for this long
-    verify: bool = False                # hash every file of the live generation before the update, not just sizes
-
-    def __post_init__(self):
-        if self.batch_size < 1:
-            raise ConfigError(f"--batch-size must be at least 1, got {self.batch_size}")
-        if self.workers is not None and self.workers < 0:
-            raise ConfigError(f"--workers must be 0 or more, got {self.workers}")
-        if self.shard_size < 1:
-            raise ConfigError(f"--shard-size must be at least 1, got {self.shard_size}")
-        if not 0 < self.target_recall <= 1:
-            raise ConfigError(f"--target-recall must be in (0, 1], got {self.target_recall}")
-        if self.compact not in COMPACT_MODES:
-            raise ConfigError(f"--compact must be one of {', '.join(COMPACT_MODES)}, got {self.compact!r}")
-        if self.rank_timeout <= 0:
-            raise ConfigError(f"--rank-timeout must be positive, got {self.rank_timeout}")
-        self.max_index_memory = parse_bytes(self.max_index_memory)
 
 
 @dataclass
@@ -213,7 +156,7 @@ class _Run:
     def encoder(self):
         return self.embedder.encoder
 
-    def embed(self, entries: list[ScanEntry]) -> None:
+    def embed(self, entries: list[FoundFile]) -> None:
         """Embed ``entries`` into the shards; counts go on the run, seconds on its stopwatch."""
         stats = dict(self.embedder.embed_into(entries, self.shards, progress=self.cfg.progress))
         self.embedded += stats.pop("embedded", 0)
@@ -226,15 +169,11 @@ class _Run:
 class Changes:
     """What the embedded plan does to the index: the files that go in, and the figures the report gives."""
 
-    readable: list[ScanEntry]         # new and changed files that were embedded, in path order
+    readable: list[FoundFile]         # new and changed files that were embedded, in path order
     added: int
     updated: int
     removed: int                      # vanished files, and changed ones that became unreadable
     skipped: list[dict]               # [{path, reason}] every file that could not be indexed, by path
-
-    @classmethod
-    def none(cls, plan: Plan) -> "Changes":
-        return cls([], 0, 0, 0, _skipped_list(plan))
 
 
 @dataclass
@@ -580,7 +519,7 @@ def _compaction_wanted(run: _Run, manifest: IndexManifest) -> bool:
 RECORD_CHUNK = 10_000  # files committed per step of a full build (its records and vectors, not all at once)
 
 
-def _records(run: _Run, readable: list[ScanEntry], next_id: int) -> list[dict]:
+def _records(run: _Run, readable: list[FoundFile], next_id: int) -> list[dict]:
     """New records with fresh ids in path order (so a resumed run gives the same ids)."""
     records = []
     for i, e in enumerate(readable):
@@ -781,7 +720,7 @@ def _manifest(run: _Run, draft: GenerationDraft, changes: Changes) -> IndexManif
     now = utc_now()
     return IndexManifest(
         generation=draft.name, created_at=draft.created_at or (base.created_at if base else now), updated_at=now,
-        model_sha256=encoder.sha256, model=_model_summary(encoder), embedding_dim=encoder.embedding_dim,
+        model_sha256=encoder.sha256, model=model_summary(encoder.metadata), embedding_dim=encoder.embedding_dim,
         index_type=cfg.index_type, factory=built.factory, search_params=built.search_params,
         recall_at_10=built.recall_at_10, exact=built.exact, trained_on=built.trained_on, built_on_gpu=built.on_gpu,
         count=int(draft.count), next_id=int(draft.next_id), duplicates=int(draft.duplicates),
@@ -858,11 +797,6 @@ def _copy_encoder(run: _Run, staging: GenerationPaths) -> None:
             LOG.warning("%s is not the model it was copied from (damaged or missing); copying %s instead",
                         copy, source)
     link_or_copy_atomic(source, staging.encoder)
-
-
-def _model_summary(encoder) -> dict:
-    keys = ("arch", "moco_version", "image_size", "embedding_dim", "resize", "run_id", "format_version")
-    return {k: encoder.metadata[k] for k in keys if k in encoder.metadata}
 
 
 def _library_versions() -> dict:

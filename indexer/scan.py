@@ -14,29 +14,19 @@ from __future__ import annotations
 import csv
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from moco_retrieval.contracts.errors import ConfigError, DataError
-from moco_retrieval.contracts.images import IMAGE_EXTENSIONS, walk_image_files
+from moco_retrieval.contracts.images import IMAGE_EXTENSIONS, FoundFile, walk_image_files
 
 LOG = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)  # slots: 10M entries are 10M objects
-class ScanEntry:
-    """One image file: ``path`` relative to the root (``/``-separated), its label, size and mtime."""
-
-    path: str
-    label: str | None
-    bytes: int
-    mtime_ns: int
 
 
 @dataclass
 class ScanResult:
     root: Path
-    entries: list[ScanEntry]
+    entries: list[FoundFile]         # the readable ones (no skip reason), labels as this scan gives them
     skipped: list[tuple[str, str]]  # (relative path, reason) for files that cannot even be stat'ed
 
 
@@ -73,14 +63,13 @@ def scan_folder(root: str | os.PathLike, labels: dict[str, str] | None = None) -
         DataError: ``root`` is missing, not a folder, or holds no image files.
     """
     root = Path(root)
-    entries: list[ScanEntry] = []
+    entries: list[FoundFile] = []
     skipped: list[tuple[str, str]] = []
     for found in walk_image_files(root, confine=True):
         if found.skip_reason is not None:
             skipped.append((found.path, found.skip_reason))
             continue
-        label = labels.get(found.path) if labels is not None else found.label
-        entries.append(ScanEntry(found.path, label, found.bytes, found.mtime_ns))
+        entries.append(found if labels is None else replace(found, label=labels.get(found.path)))
     if not entries:
         raise DataError(f"no image files in {root}; expected files ending in {', '.join(IMAGE_EXTENSIONS)}")
     LOG.info("scanned %s: %d image files", root, len(entries))
