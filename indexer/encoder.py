@@ -9,9 +9,13 @@ Imports numpy, Pillow, onnx and onnxruntime only (never torch).
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
+import io
 import logging
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -104,6 +108,26 @@ def _session_options(threads: int, quiet: bool, spin: bool = True):
     return options
 
 
+@functools.cache
+def _preload_cuda_libraries() -> None:
+    """Load the CUDA and cuDNN libraries of the ``nvidia-*`` pip packages before a CUDA session is made: in a
+    process that never imports torch (``moco index``, ``moco serve``) nothing else puts them on the loader's
+    path (``onnxruntime.preload_dlls``, the documented remedy). What it prints about missing libraries goes
+    to the debug log; the session's own check then says whether the provider works."""
+    import onnxruntime as ort
+
+    if not hasattr(ort, "preload_dlls") or (sys.platform == "linux" and not os.path.exists("/dev/nvidiactl")):
+        return  # no NVIDIA driver: nothing to load the libraries for
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(printed):
+            ort.preload_dlls()
+    except Exception as exc:  # a loader error is not ours to raise: the CPU is the fallback
+        LOG.debug("onnxruntime.preload_dlls failed: %s", exc)
+    if printed.getvalue().strip():
+        LOG.debug("onnxruntime.preload_dlls: %s", " ".join(printed.getvalue().split()))
+
+
 def open_session(model: str | os.PathLike | bytes, device: str = "auto", threads: int | None = None,
                  spin: bool = True):
     """An ONNX Runtime session on the GPU when one really works, else on the CPU.
@@ -133,6 +157,7 @@ def open_session(model: str | os.PathLike | bytes, device: str = "auto", threads
     if device in ("auto", "cuda"):
         reason = "this onnxruntime build has no CUDA execution provider"
         if "CUDAExecutionProvider" in ort.get_available_providers():
+            _preload_cuda_libraries()
             quiet = device == "auto"
             if quiet:  # hack: the provider loader logs through the global logger, not the session's
                 ort.set_default_logger_severity(4)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import pickle
 import subprocess
 import sys
@@ -241,3 +242,28 @@ def test_encoder__declared_sizes_must_fit_the_graph_and_stay_bounded(exported, t
         OnnxEncoder(_tiny_encoder(tmp_path / "b.onnx", exported[0], "unit", embedding_dim=4), device="cpu")
     with pytest.raises(ArtifactError, match="image_size 60000, outside 8-2048"):
         read_encoder_metadata(_tiny_encoder(tmp_path / "c.onnx", exported[0], "unit", image_size=60000))
+
+
+def test_open_session__preloads_the_cuda_libraries_quietly_where_a_driver_is(monkeypatch, capsys, caplog):
+    import logging
+
+    import onnxruntime as ort
+
+    import moco_retrieval.indexer.encoder as encoder_module
+
+    calls = []
+
+    def preload():  # what onnxruntime prints on a machine without the libraries
+        calls.append(1)
+        print("Failed to load libcurand.so.10: cannot open shared object file")
+
+    monkeypatch.setattr(ort, "preload_dlls", preload)
+    for driver in (False, True):
+        encoder_module._preload_cuda_libraries.cache_clear()
+        monkeypatch.setattr(encoder_module.os.path, "exists", lambda p, d=driver: d if p == "/dev/nvidiactl" else
+                            os.path.lexists(p))
+        with caplog.at_level(logging.DEBUG, logger="moco_retrieval.indexer.encoder"):
+            encoder_module._preload_cuda_libraries()
+    assert calls == [1]  # only where there is a driver, and once
+    assert capsys.readouterr().out == "" and "libcurand" in caplog.text
+    encoder_module._preload_cuda_libraries.cache_clear()
