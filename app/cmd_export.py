@@ -18,6 +18,7 @@ examples:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    from moco_retrieval.contracts.encoder_format import model_label
     from moco_retrieval.contracts.errors import ConfigError
     from moco_retrieval.trainer.export import export_encoder, export_pretrained
 
@@ -38,7 +39,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     else:
         print("verification skipped (--no-verify)")
     size_mb = result.path.stat().st_size / 1e6
-    print(f"wrote {result.path} ({size_mb:.1f} MB, {meta['precision']}): MoCo v{meta['moco_version']} {meta['arch']}, "
+    print(f"wrote {result.path} ({size_mb:.1f} MB, {meta['precision']}): {model_label(meta)}, "
           f"input uint8 [N, {meta['image_size']}, {meta['image_size']}, 3], output float32 "
           f"[N, {meta['embedding_dim']}]")
     return 0

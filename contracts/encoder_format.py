@@ -7,7 +7,9 @@ transposes to NCHW itself. Output :data:`OUTPUT_NAME`, float32 ``[N, D]``, L2-no
 
 ``metadata_props`` are strings. :data:`REQUIRED_KEYS` say what the file is (``format`` =
 :data:`ENCODER_FORMAT`, ``format_version``) and how to feed it (``image_size``, ``resize``, ``mean``/``std``,
-``embedding_dim``); provenance keys (``run_id``, ``checkpoint_epoch`` ...) may follow. :func:`encode_metadata`
+``embedding_dim``); provenance keys (``run_id``, ``checkpoint_epoch`` ...) may follow. An encoder exported
+straight from weights (``moco export --init``) also names them: ``init_source`` (the file's name),
+``init_sha256`` and ``init_layout``; its ``moco_version`` is 0 when MoCo did not train them (torchvision, timm). :func:`encode_metadata`
 and :func:`decode_metadata` are each other's inverse; :func:`validate_metadata` is the one check a reader runs.
 
 The resize policy :data:`RESIZE_POLICY` (``shorter_side_center_crop``) is implemented by
@@ -92,6 +94,15 @@ def validate_metadata(props: dict[str, str], where: str) -> dict:
     if meta["image_size"] < 1 or meta["embedding_dim"] < 1 or len(meta["mean"]) != 3 or len(meta["std"]) != 3:
         raise ArtifactError(f"{where} has inconsistent encoder metadata; export it again with `moco export`")
     return meta
+
+
+def model_label(meta: dict) -> str:
+    """``"MoCo v2 resnet18"``, or ``"resnet18 (weights from r18.pth)"`` for weights MoCo did not train."""
+    version = int(meta.get("moco_version") or 0)
+    if version:
+        return f"MoCo v{version} {meta.get('arch')}"
+    source = meta.get("init_source")
+    return f"{meta.get('arch')}" + (f" (weights from {source})" if source else "")
 
 
 def resized_size(width: int, height: int, image_size: int) -> tuple[int, int]:

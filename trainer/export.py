@@ -38,6 +38,7 @@ from moco_retrieval.contracts.encoder_format import (
     OUTPUT_NAME,
     RESIZE_POLICY,
     encode_metadata,
+    model_label,
 )
 from moco_retrieval.contracts.errors import (
     ArtifactError,
@@ -344,8 +345,7 @@ def build_onnx(backbone: nn.Module, image_size: int, metadata: dict[str, str], f
         out_shape.dim[1].dim_value = int(metadata["embedding_dim"])
         onnx.helper.set_model_props(model, metadata)
         model.producer_name = "moco-retrieval"
-        trained = f"MoCo v{metadata['moco_version']} " if metadata["moco_version"] != "0" else ""
-        model.doc_string = f"{trained}{metadata['arch']} encoder: {metadata['input']} -> {metadata['output']}"
+        model.doc_string = f"{model_label(metadata)} encoder: {metadata['input']} -> {metadata['output']}"
         onnx.checker.check_model(model)
     except Exception as exc:  # the exporter raises many types (RuntimeError, OnnxExporterError, checker errors)
         raise ExportError(f"ONNX export of {metadata['arch']} failed at opset {opset}: "

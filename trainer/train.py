@@ -77,6 +77,7 @@ class TrainResult:
     model: torch.nn.Module | None = None  # the trained MoCo model (unwrapped from DDP), on its device
     knn_before: float | None = None  # k-NN top-1 at random initialisation (when the monitor ran at step 0)
     stopped_by: str = "epochs"  # epochs, stop-at-epoch, time budget, steps
+    init: str | None = None  # the --init weights the run started from (knn_before is theirs, not random init)
 
 
 @dataclass(frozen=True)
@@ -540,8 +541,8 @@ def run(t: Trainee, p: Progress, stop_at_epoch: int | None = None) -> TrainResul
         tic = time.perf_counter()
         knn_before = knn_acc = t.monitor.evaluate(t.model.backbone, t.device)
         p.eval_seconds = time.perf_counter() - tic
-        LOG.info("k-NN top-1 before training: %.2f%% (%d images from %s)", 100 * knn_acc, len(t.monitor),
-                 t.monitor.folder)
+        LOG.info("k-NN top-1 before training (%s): %.2f%% (%d images from %s)",
+                 f"--init {cfg.init}" if cfg.init else "random init", 100 * knn_acc, len(t.monitor), t.monitor.folder)
         _append_jsonl(t.run_dir / METRICS, {"kind": "epoch", "epoch": 0, "step": 0, "knn_acc": knn_acc,
                                             "elapsed_s": _elapsed(t, p)})
     stopped = None
@@ -605,7 +606,7 @@ def run(t: Trainee, p: Progress, stop_at_epoch: int | None = None) -> TrainResul
     elif stopped == "steps":
         stopped = reason
     return TrainResult(t.run_dir, p.epoch, p.step, loss_value, knn_acc, len(t.paths), len(p.skipped), t.model,
-                       knn_before, stopped)
+                       knn_before, stopped, p.cfg.init)
 
 
 def train(cfg: TrainConfig, resume: str | Path | None = None, stop_at_epoch: int | None = None) -> TrainResult:
