@@ -70,23 +70,27 @@ def train_run(train: Path, knn: Path, out: Path, budget: str, seed: int, common:
               "derived": {k: v["value"] for k, v in config.get("derived", {}).items()},
               "init_report": config.get("init_report") or None, **read_curve(out / "metrics.jsonl")}
     print(f"  {out.name}: rc {code}, k-NN {[(m, round(a, 3)) for m, a in result['knn']]}", flush=True)
+    if (out / "checkpoint_last.pt").exists():
+        result["final"] = knn_of(out / "checkpoint_last.pt", knn, out.parent, out.name, lock)
     return result
 
 
-def as_is(initial: Path, knn: Path, work: Path, name: str, lock: str | None) -> dict:
-    """(c): the initial checkpoint exported to ONNX and measured by ``moco eval knn`` on the target (k = 20)."""
-    encoder = work / "initial.onnx"
+def knn_of(checkpoint: Path, knn: Path, work: Path, tag: str, lock: str | None) -> dict:
+    """A checkpoint exported to ONNX (``moco export``) and measured by ``moco eval knn`` on the target (k = 20):
+    (c) for the initial checkpoint, and the final figure of every (a) and (b) run, so all three arms are
+    measured the same way (the monitor's last point can be missing when a budget ends at an epoch's end)."""
+    encoder = work / f"{tag}.onnx"
     if not encoder.exists():
-        code, _ = _moco(["export", str(initial), "--out", str(encoder)], work / "export-initial.log", lock)
+        code, _ = _moco(["export", str(checkpoint), "--out", str(encoder)], work / f"{tag}-export.log", lock)
         if code:
             return {"returncode": code, "top1": None}
     split = (knn / "train").is_dir() and (knn / "val").is_dir()
     train, test = (knn / "train", knn / "val") if split else (knn, knn)
-    out = work / f"{name}-as-is.json"
+    out = work / f"{tag}-{knn.name}-knn.json"
     code, _ = _moco(["eval", "knn", "--train", str(train), "--test", str(test), str(encoder), "--k", "20",
-                     "--out", str(out)], work / f"{name}-as-is.log", lock)
+                     "--out", str(out)], work / f"{tag}-{knn.name}-knn.log", lock)
     top1 = json.loads(out.read_text())["results"][0]["top1"] if code == 0 else None
-    print(f"  {name} as is: rc {code}, k-NN {top1}", flush=True)
+    print(f"  {tag} on {knn.name}: rc {code}, k-NN {top1}", flush=True)
     return {"returncode": code, "top1": top1, "protocol": "val vs train" if split else "leave-one-out"}
 
 
@@ -108,7 +112,8 @@ def random_init(knn: Path, arch: str, image_size: int, seeds: list[int]) -> list
 
 
 def _final(runs: list[dict]) -> dict:
-    ends = [r["knn"][-1][1] for r in runs if r.get("knn")]
+    """Mean and spread over seeds of each run's final k-NN (``moco eval knn`` of its last checkpoint)."""
+    ends = [r["final"]["top1"] for r in runs if (r.get("final") or {}).get("top1") is not None]
     return {"final_mean": statistics.fmean(ends) if ends else None,
             "final_sd": statistics.stdev(ends) if len(ends) > 1 else 0.0, "seeds": len(ends)}
 
@@ -133,6 +138,9 @@ def plot(report: dict, path: Path) -> None:
                     minutes, accs = zip(*run["knn"])
                     ax.plot(minutes, [100 * a for a in accs], marker="o", markersize=3, color=colours[arm],
                             alpha=0.9 if j == 0 else 0.5, label=label if j == 0 else None)
+                if (run.get("final") or {}).get("top1") is not None and run["knn"]:
+                    ax.plot([minutes[-1]], [100 * run["final"]["top1"]], marker="*", markersize=9,
+                            color=colours[arm])  # the final checkpoint through moco eval knn
         if entry["as_is"].get("top1") is not None:
             ax.axhline(100 * entry["as_is"]["top1"], color=colours["c"], linestyle="--",
                        label=f"{ARMS['c']}: {100 * entry['as_is']['top1']:.1f} %")
@@ -212,7 +220,7 @@ def main(argv: list[str] | None = None) -> dict:
         a, b = summary["a"]["final_mean"], summary["b"]["final_mean"]
         report["targets"][name] = {
             "images": sum(1 for f in train.rglob("*") if f.is_file()), "runs": runs, "summary": summary,
-            "as_is": as_is(initial, knn, work, name, args.lock),
+            "as_is": knn_of(initial, knn, work, "initial", args.lock),
             "random_init": random_init(knn, args.arch, args.image_size, args.seeds),
             "b_beats_a": a is not None and b is not None and b > a}
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -443,3 +443,11 @@ def test_eval_knn__accepts_the_same_source(sources, shapes_dir, tmp_path, capsys
     doc = json.loads(out.read_text())
     assert doc["model"]["model_kind"] == "weights" and doc["model"]["layout"] == "moco_v2"
     assert doc["model"]["sha256"] == sha256_file(path) and 0.0 <= doc["results"][0]["top1"] <= 1.0
+
+
+def test_model_label__names_the_moco_version_or_the_weights_file():
+    from moco_retrieval.contracts.encoder_format import model_label
+
+    assert model_label({"moco_version": 2, "arch": "resnet50"}) == "MoCo v2 resnet50"
+    assert model_label({"moco_version": "0", "arch": "resnet18", "init_source": "r18.pth"}) == \
+        "resnet18 (weights from r18.pth)"

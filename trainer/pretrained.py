@@ -285,6 +285,9 @@ def read_pretrained(source: str | Path) -> Pretrained:
         backbone = {k: v for k, v in state.items() if not k.startswith(classifier)}
         ignored = [k for k in state if k.startswith(classifier)]
     arch, facts = infer_arch(backbone, str(path))
+    if arch == "vit_small" and layout == "state_dict":  # the weights cannot say how many heads split them
+        LOG.warning("%s: our vit_small has MoCo v3's 12 attention heads; timm's and DeiT's ViT-S have 6, and "
+                    "their weights load but compute other features", path)
     return Pretrained(path=path, sha256=digest, layout=layout, arch=arch, backbone=backbone, heads=heads,
                       head_version=head_version, moco_version=moco_version, ignored=_group(ignored), **facts)
 
