@@ -125,7 +125,7 @@ def plot(report: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     names = list(report["targets"])
-    fig, axes = plt.subplots(1, len(names), figsize=(5.5 * len(names), 4.6), squeeze=False)
+    fig, axes = plt.subplots(1, len(names), figsize=(max(8.0, 5.5 * len(names)), 4.6), squeeze=False)
     colours = {"a": "tab:blue", "b": "tab:orange", "c": "tab:green"}
     for ax, name in zip(axes[0], names):
         entry = report["targets"][name]
@@ -153,7 +153,7 @@ def plot(report: dict, path: Path) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.suptitle(f"--init from {report['source']} ({report['pretrain_budget']} of pretraining), {report['arch']} at "
-                 f"{report['image_size']} px, seeds {report['seeds']}")
+                 f"{report['image_size']} px, seeds {report['seeds']}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
