@@ -253,6 +253,19 @@ def test_load_into_model__moco_v3_projector_and_predictor_load(sources, tmp_path
         assert torch.allclose(model.predictor(model.encoder_q(x)), predictor(net(x)), atol=1e-5)
 
 
+def test_load_into_model__moco_v3_vit_heads_load_and_the_position_embedding_is_interpolated(sources, tmp_path):
+    path, reference = sources["moco_v3_vit"]
+    cfg, model, report = _model_from(_train_cfg(tmp_path, path, moco_version=3), read_pretrained(path))
+    assert (cfg.arch, cfg.patch_size, cfg.dim, cfg.mlp_hidden) == ("vit_tiny", 8, 16, 64)
+    assert [part.split(" (")[0] for part in report["loaded"]] == ["backbone", "projection head", "prediction head"]
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        assert torch.allclose(model.encoder_k.backbone(x), reference(x), atol=1e-5)
+    _, model, report = _model_from(_train_cfg(tmp_path, path, moco_version=3, image_size=64), read_pretrained(path))
+    assert report["notes"] == ["position embedding interpolated from a 4x4 to a 8x8 grid (image size 32 -> 64 px at "
+                               "patch 8)"]
+
+
 def test_load_into_model__v1_head_and_mismatched_heads_stay_fresh(sources, tmp_path):
     path, _ = sources["moco_v1"]
     _, _, report = _model_from(_train_cfg(tmp_path, path), read_pretrained(path))
