@@ -604,7 +604,8 @@ class SearchEngine:
                 "items": gen.ntotal,
                 "labels": labels,
                 "model": {key: enc.metadata.get(key) for key in ("arch", "moco_version", "image_size",
-                                                                  "embedding_dim", "run_id", "precision")}
+                                                                  "embedding_dim", "run_id", "precision",
+                                                                  "init_source")}
                 | {"sha256": enc.sha256, "provider": enc.provider},
                 "index": {"factory": m.factory, "metric": m.metric, "type": type(gen.directory.index).__name__,
                           "recall_at_10": m.recall_at_10},

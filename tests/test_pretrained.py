@@ -429,6 +429,13 @@ def test_export_index_search__from_a_torchvision_state_dict(sources, shapes_dir,
     hits = json.loads(capsys.readouterr().out)
     hits = hits["results"] if isinstance(hits, dict) else hits
     assert Path(hits[0]["path"]).name == query.name and hits[0]["score"] == pytest.approx(1.0, abs=1e-4)
+    from moco_retrieval.serve.engine import EngineConfig, SearchEngine
+
+    engine = SearchEngine(index, EngineConfig(device="cpu", threads=1, poll_seconds=0))  # what moco serve runs
+    try:
+        assert engine.stats()["model"]["init_source"] == path.name
+    finally:
+        engine.close()
 
 
 def test_export__moco_v3_vit_layout_matches_within_the_export_tolerance(sources, tmp_path):

@@ -452,7 +452,7 @@ def configure(cfg, pre: Pretrained):
             raise ConfigError(f"--patch-size {cfg.patch_size} does not fit --init {pre.name}: expected patch "
                               f"{cfg.patch_size}, found {pre.patch_size}; pass --patch-size {pre.patch_size}")
         if not cfg.patch_size:
-            cfg = set_derived(cfg, "patch_size", pre.patch_size, f"the --init file's patch size")
+            cfg = set_derived(cfg, "patch_size", pre.patch_size, "the --init file's patch size")
         if cfg.image_size % pre.patch_size:
             raise ConfigError(f"--image-size {cfg.image_size} is not a multiple of the --init file's patch size "
                               f"{pre.patch_size}")
