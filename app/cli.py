@@ -15,7 +15,7 @@ import sys
 from moco_retrieval.contracts.errors import MocoError
 
 # One module per subcommand, each with ``register(subparsers)``; add new commands here.
-COMMAND_MODULES = tuple(f"moco_retrieval.app.cmd_{name}" for name in ("train", "export", "eval", "index", "embeddings",
+COMMAND_MODULES = tuple(f"moco_retrieval.app.cmd_{name}" for name in ("train", "export", "eval", "index", "embed", "embeddings",
                                                                    "demo", "serve"))
 
 

@@ -17,7 +17,10 @@ what it does:
   Readers (`moco serve`) see the old index or the new one, never a mix.
 
   Unreadable files (corrupt, truncated, empty, not an image, over 89 megapixels) are skipped, listed at the
-  end and in INDEX_DIR/report.json.
+  end and in INDEX_DIR/report.json; files with other extensions are counted there by extension.
+
+  Moved or renamed the image folder? `moco index NEW_DIR --out INDEX_DIR --reattach` points the index at it:
+  files with the same relative path, size and mtime keep their ids and vectors, only the rest is embedded.
 
 updates cost what changed:
   An update shares the previous index's files and writes only a small delta (the new vectors, the removed
@@ -63,67 +66,25 @@ damaged files:
 
 
 def register(sub) -> None:
+    from moco_retrieval.contracts.options import add_arguments
+    from moco_retrieval.indexer.config import GROUPS, IndexConfig
+
     p = sub.add_parser("index", help="index an image folder for similarity search (FAISS + LMDB)",
                        description="Embed every image of IMAGE_DIR with an exported encoder and build a searchable "
                                    "index directory; rerun to update it incrementally.",
                        epilog=EPILOG_INDEX, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("image_dir", metavar="IMAGE_DIR", nargs="?",
-                   help="folder of images (searched recursively); not needed with --verify alone")
-    p.add_argument("--model", metavar="ENCODER_ONNX",
-                   help="encoder.onnx written by `moco export` (required unless --verify is given alone)")
-    p.add_argument("--out", required=True, metavar="INDEX_DIR", help="index directory to create or update")
-    p.add_argument("--index-type", default="auto", metavar="TYPE",
-                   help="auto, flat, hnsw, ivf, ivfpq or a FAISS factory string (default auto; see below)")
-    p.add_argument("--batch-size", type=int, default=64, help="images per encoder call (default 64)")
-    p.add_argument("--workers", type=int, default=None,
-                   help="processes decoding images; 0 decodes in the main process (default: the cores minus one, "
-                        "at most 16)")
-    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
-                   help="where the encoder runs: auto uses a GPU when one works (default auto)")
-    p.add_argument("--labels", metavar="CSV", help="path,label CSV (paths relative to IMAGE_DIR) instead of "
-                                                   "first-level subfolder labels")
-    p.add_argument("--rebuild", action="store_true",
-                   help="ignore the existing index (built with another model or folder) and embed everything again")
-    p.add_argument("--target-recall", type=float, default=None,
-                   help="recall@10 approximate indexes are tuned to reach (default 0.95)")
-    p.add_argument("--shard-size", type=int, default=1024,
-                   help="embeddings per resumable shard: at most this much work is lost on a crash (default 1024)")
-    p.add_argument("--max-index-memory", default=None, metavar="SIZE",
-                   help="RAM the index may take when served, e.g. 8G: auto picks IVF-PQ past it, and keeps IVF-PQ "
-                        "lists on disk when even they do not fit (default: half this machine's RAM)")
-    p.add_argument("--compact", default="auto", choices=("auto", "now", "never"),
-                   help="rebuild the index from its live vectors after this update: auto once changes pass 5%% "
-                        "(default), now, or never")
-    p.add_argument("--changed-list", metavar="FILE", default=None,
-                   help="update only these files: one relative path per line (added, changed or deleted); the "
-                        "folder is not rescanned")
-    p.add_argument("--rank-timeout", type=float, default=None, metavar="SECONDS",
-                   help="under torchrun: how long rank 0 waits for a rank that makes no progress (default 600)")
-    p.add_argument("--verify", action="store_true",
-                   help="check the sha256 of every file of the live generation against its manifest (otherwise "
-                        "their sizes are checked, and the hashes of what an update reads); alone (`moco index "
-                        "--verify --out INDEX_DIR`) it only checks, else it checks before updating")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar (for logs)")
+    add_arguments(p, IndexConfig, groups=GROUPS)
     p.set_defaults(func=cmd_index)
 
 
 def cmd_index(args: argparse.Namespace) -> int:
-    from moco_retrieval.contracts.errors import ConfigError
-    from moco_retrieval.indexer.build import IndexConfig, build_index_dir
+    from moco_retrieval.contracts.options import from_arguments
+    from moco_retrieval.indexer.build import build_index_dir
+    from moco_retrieval.indexer.config import IndexConfig
 
     if args.verify and args.image_dir is None and args.model is None:
-        return cmd_verify(args.out)
-    if args.image_dir is None or args.model is None:
-        raise ConfigError("moco index needs IMAGE_DIR and --model (only `moco index --verify --out INDEX_DIR` "
-                          "checks an index without them)")
-    optional = {"workers": args.workers, "target_recall": args.target_recall, "rank_timeout": args.rank_timeout}
-    cfg = IndexConfig(
-        image_dir=args.image_dir, model=args.model, out_dir=args.out, index_type=args.index_type,
-        batch_size=args.batch_size, device=args.device, labels_csv=args.labels, rebuild=args.rebuild,
-        shard_size=args.shard_size, progress=not args.no_progress, max_index_memory=args.max_index_memory,
-        compact=args.compact, changed_list=args.changed_list, verify=args.verify,
-        **{k: v for k, v in optional.items() if v is not None},
-    )
+        return cmd_verify(args.out_dir)
+    cfg = from_arguments(IndexConfig, args)
     result = build_index_dir(cfg)
     if result.mode == "rank":
         t = result.timings
@@ -157,6 +118,7 @@ def cmd_verify(out: str) -> int:
 def print_index_result(result) -> None:
     """The summary table of a ``moco index`` run (and the skipped files, names shown readably)."""
     from moco_retrieval.contracts.filenames import display_name
+    from moco_retrieval.indexer.scan import describe_not_images
 
     t = result.timings
     state = "published now" if result.published else "unchanged, still live"
@@ -165,6 +127,7 @@ def print_index_result(result) -> None:
     rows = [
         ("index directory", result.index_dir),
         ("generation", f"{result.generation} ({state})"),
+        *([("image folder", f"{result.reattached} -> re-attached here")] if result.reattached else []),
         ("images in index", f"{result.count}"),
         ("added", f"{result.added}"),
         ("updated", f"{result.updated}"),
@@ -172,6 +135,7 @@ def print_index_result(result) -> None:
         ("unchanged", f"{result.unchanged}"),
         ("exact duplicates", f"{result.duplicates}"),
         ("skipped (unreadable)", f"{len(result.skipped)}"),
+        ("not images (ignored)", describe_not_images(result.not_images) if result.not_images else "0"),
         ("embedded this run", f"{result.embedded}" + (f" (+{result.resumed} resumed)" if result.resumed else "")),
         ("index", result.factory + "".join(f", {k}={v}" for k, v in result.search_params.items())
          + (f" (+{result.delta_count} in the delta, {result.removed_count} removed since the last compaction)"

@@ -92,7 +92,7 @@ class SyntheticCorpus:
         return out
 
     def embed_into(self, entries, shards, progress: bool = False) -> dict:
-        """Put the vectors of ``entries`` (ScanEntry) that no finished shard holds into ``shards``."""
+        """Put the vectors of ``entries`` (FoundFile) that no finished shard holds into ``shards``."""
         tic = time.perf_counter()
         pending = [e for e in entries if shards.lookup(e.path, e.bytes, e.mtime_ns) is None]
         t_vectors = 0.0
@@ -170,10 +170,11 @@ def _save_state(work: Path, state: dict) -> None:
 
 def synthetic_scan(state: dict):
     """A scanner (see ``indexer.build.build_index_dir``) listing items ``removed .. next`` without files."""
-    from moco_retrieval.indexer.scan import ScanEntry, ScanResult
+    from moco_retrieval.contracts.images import FoundFile
+    from moco_retrieval.indexer.scan import ScanResult
 
     def scan(root, labels):
-        entries = [ScanEntry(file_path(i), f"c{i // FILES_PER_DIR:05d}", 0, 1) for i in range(state["removed"],
+        entries = [FoundFile(file_path(i), f"c{i // FILES_PER_DIR:05d}", 0, 1) for i in range(state["removed"],
                                                                                              state["next"])]
         return ScanResult(root=Path(root), entries=entries, skipped=[])
     return scan

@@ -77,7 +77,7 @@ def add_arguments(parser: argparse.ArgumentParser, cls, groups: typing.Iterable[
                 section.add_argument(flag, dest=f.name, action="store_true", default=False, help=help_text)
             continue
         if "action" not in kwargs:
-            kwargs["type"] = kind
+            kwargs.setdefault("type", kind)
         if default is not None and default != "" and not kwargs.get("required"):
             help_text += f" (default {default})"
         section.add_argument(flag, dest=f.name, default=default, help=help_text, **kwargs)

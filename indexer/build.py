@@ -6,7 +6,7 @@ publish what changed.
    are embedded; vanished ones removed;
 2. embed (``indexer.embed``): into resumable shards (``indexer.shards``); under ``torchrun`` every rank embeds
    its share of the plan and rank 0 waits for the others (``indexer.ranks``), then does the rest alone;
-3. commit into a staging generation, one of:
+3. commit: one of three strategies assembles a staging generation and returns it as a ``GenerationDraft``:
 
    - a **full build** (first run, ``--rebuild``): a fresh metadata store, every vector as a block
      (``indexer.vectors``), a FAISS index trained and filled from them (``indexer.faiss_index``, on disk past
@@ -14,11 +14,13 @@ publish what changed.
    - an **update** (``indexer.update``): the predecessor's base shared by hard links, its small delta
      copied and extended with what changed, removed base ids appended. Costs what changed;
    - a **compaction**, published right after an update once the changes pass 5% of the base and 1,000
-     items (or the index type must change, or ``--compact now``): metadata layers folded into one, vector blocks merged, the
-     FAISS index rebuilt from the live vectors (IVF keeps its trained lists), recall re-measured;
+     items (or the index type must change, or ``--compact now``): metadata layers folded into one, vector
+     blocks merged, the FAISS index rebuilt from the live vectors (IVF keeps its trained lists), recall
+     re-measured;
 
-   then copy the encoder, write manifest and report;
-4. publish atomically (``indexer.layout.publish``) and delete the shards.
+4. publish: one ``_publish`` writes the draft's manifest, opens the generation as a server would and makes it
+   live atomically (``indexer.layout.publish``); one ``_result`` makes the report from the live manifest.
+   The work shards are deleted after the last publish; the seconds of every phase are on one ``Stopwatch``.
 
 A run that changes nothing publishes nothing.
 """
@@ -29,18 +31,21 @@ import os
 import shutil
 import time
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 
-from moco_retrieval.contracts.atomic import atomic_write, link_or_copy_atomic, output_errors, write_json_atomic
+from moco_retrieval.contracts.atomic import atomic_write, copy_atomic, link_or_copy_atomic, output_errors, write_json_atomic
+from moco_retrieval.contracts.encoder_format import model_summary
 from moco_retrieval.contracts.errors import ArtifactError, ConfigError, DataError, OutputError
 from moco_retrieval.contracts.filenames import display_name
+from moco_retrieval.contracts.images import FoundFile
 from moco_retrieval.contracts.launch import WorldInfo, world_info_from_env
 from moco_retrieval.indexer import faiss_index, integrity, update
-from moco_retrieval.indexer.embed import FolderEmbedder
+from moco_retrieval.indexer.embed import Embedder, FolderEmbedder
 from moco_retrieval.indexer.encoder import OnnxEncoder, available_cores, read_encoder_metadata
+from moco_retrieval.indexer.config import IndexConfig
 from moco_retrieval.indexer.factory import Factory
 from moco_retrieval.indexer.index_dir import IndexDirectory
 from moco_retrieval.indexer.layout import (
@@ -59,15 +64,12 @@ from moco_retrieval.indexer.layout import (
 from moco_retrieval.indexer.manifest import IndexManifest, file_sha256
 from moco_retrieval.indexer.metadata import MetadataStore, link_store, materialize
 from moco_retrieval.indexer.plan import Plan, plan_full, plan_listed, read_changed_list, scan_listed
-from moco_retrieval.indexer.ranks import DEFAULT_TIMEOUT_S, Rendezvous, part_of_plan, plan_digest
-from moco_retrieval.indexer.scan import ScanEntry, read_labels_csv, scan_folder
+from moco_retrieval.indexer.ranks import Rendezvous, part_of_plan, plan_digest
+from moco_retrieval.indexer.scan import read_labels_csv, scan_folder
 from moco_retrieval.indexer.shards import WorkShards, discard_other_models
 from moco_retrieval.indexer.vectors import BlockVectors, BlockWriter, block_dtype, block_exists, live_blocks
 
 LOG = logging.getLogger(__name__)
-
-COMPACT_MODES = ("auto", "now", "never")
-
 
 def default_workers(world: WorldInfo | None = None) -> int:
     """Decoding processes of one rank: its share of the cores but the one feeding the encoder, at most 16
@@ -76,63 +78,6 @@ def default_workers(world: WorldInfo | None = None) -> int:
     if world is not None and world.local_world_size > 1:
         return max(0, min(16, cores - 1))
     return max(1, min(16, cores - 1))
-
-
-def parse_bytes(text: str | int | None) -> int | None:
-    """``"8G"``, ``"512M"``, ``"1.5T"`` or a number of bytes -> bytes.
-
-    Raises:
-        ConfigError: not a size.
-    """
-    if text is None or isinstance(text, int):
-        return text
-    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-    s = str(text).strip().lower().removesuffix("b").removesuffix("i")
-    try:
-        value = float(s[:-1]) * units[s[-1]] if s and s[-1] in units else float(s)
-    except ValueError:
-        raise ConfigError(f"--max-index-memory must be a size like 8G or 512M, got {text!r}") from None
-    if value <= 0:
-        raise ConfigError(f"--max-index-memory must be positive, got {text!r}")
-    return int(value)
-
-
-@dataclass
-class IndexConfig:
-    """Everything ``moco index`` needs; the CLI builds it and nothing more."""
-
-    image_dir: str                      # folder of images, scanned recursively
-    model: str                          # encoder.onnx from `moco export`
-    out_dir: str                        # the index directory (created; updated in place on later runs)
-    index_type: str = "auto"            # auto, flat, hnsw, ivf, ivfpq or a FAISS factory string
-    batch_size: int = 64                # images per encoder call
-    workers: int | None = None          # decoding processes per rank (0 = in the rank; None: default_workers)
-    device: str = "auto"                # encoder device: auto (GPU when usable), cpu or cuda
-    labels_csv: str | None = None       # optional path,label CSV; default labels are first-level subfolders
-    rebuild: bool = False               # ignore the existing index (another model, another folder) and start over
-    shard_size: int = 1024              # embeddings per resumable shard
-    target_recall: float = faiss_index.TARGET_RECALL  # recall@10 the search parameters are tuned to reach
-    progress: bool = True               # show a progress bar
-    max_index_memory: int | str | None = None  # RAM the index may take ("8G"); default half the machine's
-    compact: str = "auto"               # auto (past 5% of changes), now, never
-    changed_list: str | None = None     # file of relative paths to look at instead of rescanning the folder
-    rank_timeout: float = DEFAULT_TIMEOUT_S  # rank 0 gives up on a rank without progress for this long
-    verify: bool = False                # hash every file of the live generation before the update, not just sizes
-
-    def __post_init__(self):
-        if self.batch_size < 1:
-            raise ConfigError(f"--batch-size must be at least 1, got {self.batch_size}")
-        if self.workers is not None and self.workers < 0:
-            raise ConfigError(f"--workers must be 0 or more, got {self.workers}")
-        if self.shard_size < 1:
-            raise ConfigError(f"--shard-size must be at least 1, got {self.shard_size}")
-        if not 0 < self.target_recall <= 1:
-            raise ConfigError(f"--target-recall must be in (0, 1], got {self.target_recall}")
-        if self.compact not in COMPACT_MODES:
-            raise ConfigError(f"--compact must be one of {', '.join(COMPACT_MODES)}, got {self.compact!r}")
-        if self.rank_timeout <= 0:
-            raise ConfigError(f"--rank-timeout must be positive, got {self.rank_timeout}")
-        self.max_index_memory = parse_bytes(self.max_index_memory)
 
 
 @dataclass
@@ -162,28 +107,100 @@ class IndexResult:
     world_size: int = 1
     delta_count: int = 0
     removed_count: int = 0
+    not_images: dict = field(default_factory=dict)  # extension -> files of the folder passed over for it
+    reattached: str | None = None     # the folder this index was built from, when this run moved it to image_dir
+
+
+class Stopwatch:
+    """Where the seconds of one run went: one total per phase (``scan``, ``plan``, ``embed``, ``commit``,
+    ``index``, ``publish``, ``compact_*`` ...), added up when a phase runs more than once."""
+
+    def __init__(self):
+        self.started = time.perf_counter()
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def phase(self, name: str):
+        tic = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(name, time.perf_counter() - tic)
+
+    def add(self, name: str, seconds: float) -> None:
+        self.seconds[name] = self.seconds.get(name, 0.0) + seconds
+
+    def report(self) -> dict[str, float]:
+        """Every phase so far, and ``total``: the seconds since the run started."""
+        return {**self.seconds, "total": time.perf_counter() - self.started}
 
 
 @dataclass
 class _Run:
-    """State one run carries from planning to publishing."""
+    """What one run knows, from planning to publishing: its inputs, the live generation it follows, the plan,
+    the work shards, what its embedder did and its stopwatch."""
 
     cfg: IndexConfig
     layout: IndexLayout
     image_root: Path
     world: WorldInfo
-    embedder: object
-    previous: str | None = None
+    clock: Stopwatch
+    embedder: Embedder | None = None
+    previous: str | None = None               # the live generation this run follows
     prev_manifest: IndexManifest | None = None
-    base: IndexManifest | None = None  # the manifest an update builds on (None: a full build)
+    base: IndexManifest | None = None         # the manifest an update builds on (None: a full build)
     plan: Plan | None = None
     shards: WorkShards | None = None
-    timings: dict = field(default_factory=dict)
-    stats: dict = field(default_factory=dict)
+    embedded: int = 0                         # files decoded and embedded by this run
+    resumed: int = 0                          # results taken from the shards of an interrupted run
+    not_images: dict[str, int] = field(default_factory=dict)  # what the scan passed over, by extension
+    reattached: str | None = None             # the old image folder, when --reattach moves the index here
 
     @property
     def encoder(self):
         return self.embedder.encoder
+
+    def embed(self, entries: list[FoundFile]) -> None:
+        """Embed ``entries`` into the shards; counts go on the run, seconds on its stopwatch."""
+        stats = dict(self.embedder.embed_into(entries, self.shards, progress=self.cfg.progress))
+        self.embedded += stats.pop("embedded", 0)
+        self.resumed += stats.pop("resumed", 0)
+        for phase, seconds in stats.items():
+            self.clock.add(phase, seconds)
+
+
+@dataclass(frozen=True)
+class Changes:
+    """What the embedded plan does to the index: the files that go in, and the figures the report gives."""
+
+    readable: list[FoundFile]         # new and changed files that were embedded, in path order
+    added: int
+    updated: int
+    removed: int                      # vanished files, and changed ones that became unreadable
+    skipped: list[dict]               # [{path, reason}] every file that could not be indexed, by path
+
+
+@dataclass
+class GenerationDraft:
+    """A generation assembled in staging by one of the three commit strategies (full build, update,
+    compaction): everything its manifest says beyond what the run itself knows."""
+
+    name: str
+    built: faiss_index.BuiltIndex     # the FAISS side: factory, search parameters, recall, where it was built
+    count: int                        # live items
+    next_id: int
+    duplicates: int
+    labels: dict[str, int]            # label -> live items
+    blocks: list[str]                 # vector blocks, oldest first
+    dtype: np.dtype                   # of the vector blocks
+    base_count: int
+    base_next_id: int
+    base_generation: str
+    files: dict[str, dict]            # the generation's files: size and sha256 (``indexer.integrity``)
+    block_files: dict[str, dict]      # the same for the vector blocks' files
+    delta_count: int = 0
+    removed_count: int = 0
+    created_at: str | None = None     # None: the index's (a first build: now)
 
 
 @contextmanager
@@ -218,7 +235,7 @@ def _writer_lock(layout: IndexLayout):
         f.close()
 
 
-def build_index_dir(cfg: IndexConfig, embedder=None, scanner=None) -> IndexResult:
+def build_index_dir(cfg: IndexConfig, embedder: Embedder | None = None, scanner=None) -> IndexResult:
     """Create or update the index directory ``cfg.out_dir`` from ``cfg.image_dir`` (see the module docstring).
 
     Launched by torchrun (``RANK`` / ``WORLD_SIZE`` set), every rank calls this; rank 0 publishes.
@@ -236,7 +253,7 @@ def build_index_dir(cfg: IndexConfig, embedder=None, scanner=None) -> IndexResul
         ConfigError: bad options (unknown index type or device).
         IndexBuildError: FAISS or LMDB failed, or a rank stopped making progress.
     """
-    t_start = time.perf_counter()
+    clock = Stopwatch()
     world = world_info_from_env()
     layout = IndexLayout(Path(cfg.out_dir).absolute())
     image_root = Path(cfg.image_dir).absolute()
@@ -252,16 +269,21 @@ def build_index_dir(cfg: IndexConfig, embedder=None, scanner=None) -> IndexResul
     if not os.access(layout.root, os.W_OK):
         raise OutputError(f"cannot write {layout.root} (permission denied); choose a writable --out")
     labels = read_labels_csv(cfg.labels_csv) if cfg.labels_csv else None
+    run = _Run(cfg, layout, image_root, world, clock, embedder)
     if world.rank != 0:  # no lock: rank 0 holds it for the whole run, the others only write their shards
-        live = _live_generation(layout, cfg.rebuild)
-        run = _prepare(cfg, layout, image_root, labels, world, embedder, scanner, live)
-        return _embed_and_wait(run, t_start)
+        _plan(run, labels, scanner, _live_generation(layout, cfg.rebuild))
+        _embed_share(run)
+        return _result(run, "rank")
     with _writer_lock(layout):
         live = _live_generation(layout, cfg.rebuild)
         remove_stale_staging(layout, live)
-        run = _prepare(cfg, layout, image_root, labels, world, embedder, scanner, live)
-        return _embed_and_wait(run, t_start)
+        _plan(run, labels, scanner, live)
+        _embed_share(run)
+        _wait_for_ranks(run)
+        return _commit(run)
 
+
+# --- 1. plan -------------------------------------------------------------------------------------------------
 
 def _live_generation(layout: IndexLayout, rebuild: bool) -> str | None:
     """The generation this run follows: the live one (``None`` when nothing was published), checked before
@@ -303,9 +325,11 @@ def _open_embedder(cfg: IndexConfig, image_root: Path, world: WorldInfo) -> Fold
     return FolderEmbedder(encoder, image_root, cfg.batch_size, workers)
 
 
-def _prepare(cfg: IndexConfig, layout: IndexLayout, image_root: Path, labels, world: WorldInfo, embedder,
-             scanner, live: str | None) -> _Run:
-    run = _Run(cfg, layout, image_root, world, embedder, previous=live)
+def _plan(run: _Run, labels, scanner, live: str | None) -> None:
+    """Check what the run follows, scan, open the encoder, and compare the folder with the live generation:
+    sets the run's ``previous``, ``prev_manifest``, ``base``, ``plan`` and ``shards``."""
+    cfg, layout, image_root, world = run.cfg, run.layout, run.image_root, run.world
+    run.previous = live
     run.prev_manifest = _previous_manifest(layout, live, cfg.rebuild)
     if run.prev_manifest is not None and not cfg.rebuild and world.rank == 0:
         # before anything is scanned or embedded: what an update reads and copies is hashed (the delta layer:
@@ -314,16 +338,16 @@ def _prepare(cfg: IndexConfig, layout: IndexLayout, image_root: Path, labels, wo
                                         hashed=integrity.ALL if cfg.verify else integrity.UPDATE_READS,
                                         blocks=True, hashed_blocks=cfg.verify,
                                         ignore=() if cfg.verify else (ENCODER_FILE,))
-        run.timings["check_previous"] = checked.seconds
-    tic = time.perf_counter()
+        run.clock.add("check_previous", checked.seconds)
     gone = None
-    if cfg.changed_list:
-        scan, gone = scan_listed(image_root, read_changed_list(cfg.changed_list), labels)
-    elif scanner is not None:
-        scan = scanner(image_root, labels)
-    else:
-        scan = scan_folder(image_root, labels)
-    run.timings["scan"] = time.perf_counter() - tic
+    with run.clock.phase("scan"):
+        if cfg.changed_list:
+            scan, gone = scan_listed(image_root, read_changed_list(cfg.changed_list), labels)
+        elif scanner is not None:
+            scan = scanner(image_root, labels)
+        else:
+            scan = scan_folder(image_root, labels)
+    run.not_images = scan.not_images
     if run.embedder is None:
         run.embedder = _open_embedder(cfg, image_root, world)
     encoder = run.encoder
@@ -331,23 +355,27 @@ def _prepare(cfg: IndexConfig, layout: IndexLayout, image_root: Path, labels, wo
         run.prev_manifest.check_encoder(encoder.sha256, encoder.embedding_dim, encoder.path, str(layout.root),
                                         "pass --rebuild to re-embed everything with it")
         if Path(run.prev_manifest.image_root) != image_root:
-            raise ArtifactError(f"{layout.root} indexes {run.prev_manifest.image_root}, not {image_root}; use "
-                                "another --out, or pass --rebuild to index this folder instead")
+            if not cfg.reattach:
+                raise ArtifactError(f"{layout.root} indexes {run.prev_manifest.image_root}, not {image_root}; pass "
+                                    "--reattach if the folder moved (unchanged files keep their ids and vectors), "
+                                    "--rebuild to index this folder instead, or use another --out")
+            run.reattached = run.prev_manifest.image_root
+            LOG.info("re-attaching %s to %s: files with the same relative path, size and mtime keep their ids",
+                     layout.root, image_root)
     run.base = run.prev_manifest if not cfg.rebuild else None
-    tic = time.perf_counter()
-    store = _open_store(layout.generation(run.previous)) if run.base is not None else None
-    try:
-        if cfg.changed_list:
-            run.plan = plan_listed(scan.entries, gone, store)
-            run.plan.unchanged = run.base.count - len(run.plan.changed_ids) - len(run.plan.removed_ids)
-        else:
-            run.plan = plan_full(scan.entries, store)
-    finally:
-        if store is not None:
-            store.close()
-    for rel, reason in scan.skipped:
-        run.plan.skipped[rel] = {"path": rel, "bytes": 0, "mtime_ns": 0, "reason": reason}
-    run.timings["plan"] = time.perf_counter() - tic
+    with run.clock.phase("plan"):
+        store = _open_store(layout.generation(run.previous)) if run.base is not None else None
+        try:
+            if cfg.changed_list:
+                run.plan = plan_listed(scan.entries, gone, store)
+                run.plan.unchanged = run.base.count - len(run.plan.changed_ids) - len(run.plan.removed_ids)
+            else:
+                run.plan = plan_full(scan.entries, store)
+        finally:
+            if store is not None:
+                store.close()
+        for rel, reason in scan.skipped:
+            run.plan.skipped[rel] = {"path": rel, "bytes": 0, "mtime_ns": 0, "reason": reason}
     expected = (run.base.count if run.base else 0) + len(run.plan.todo) - len(run.plan.removed_ids)
     factory = _wanted(cfg, max(expected, 1), encoder.embedding_dim).factory
     dtype = block_dtype(factory if run.base is None else run.base.factory)
@@ -355,7 +383,6 @@ def _prepare(cfg: IndexConfig, layout: IndexLayout, image_root: Path, labels, wo
                             dtype=dtype)
     if world.rank == 0:
         discard_other_models(layout.work, run.shards.dir)
-    return run
 
 
 def _previous_manifest(layout: IndexLayout, previous: str | None, rebuild: bool) -> IndexManifest | None:
@@ -381,43 +408,83 @@ def _wanted(cfg: IndexConfig, n: int, d: int) -> faiss_index.IndexChoice:
     return faiss_index.choose_index(cfg.index_type, n, d, budget=cfg.max_index_memory)
 
 
-def _embed_and_wait(run: _Run, t_start: float) -> IndexResult:
-    """Embed this rank's part of the plan; rank 0 then waits for the others, fills gaps and commits."""
-    cfg, world, plan, shards = run.cfg, run.world, run.plan, run.shards
+# --- 2. embed ------------------------------------------------------------------------------------------------
+
+def _embed_share(run: _Run) -> None:
+    """Embed this rank's part of the plan into the shards (rank > 0 then says it is done)."""
+    cfg, world, plan = run.cfg, run.world, run.plan
     part = part_of_plan(plan.todo, world.rank, world.world_size, cfg.shard_size)
-    rendezvous = Rendezvous(shards.dir, world, cfg.rank_timeout)
+    rendezvous = Rendezvous(run.shards.dir, world, cfg.rank_timeout)
     if world.world_size > 1:
-        shards.on_flush = rendezvous.progress
+        run.shards.on_flush = rendezvous.progress
         rendezvous.progress(0)
         LOG.info("rank %d of %d: %d of the %d files to embed", world.rank, world.world_size, len(part),
                  len(plan.todo))
-    run.stats = run.embedder.embed_into(part, shards, progress=cfg.progress)
+    run.embed(part)
     if world.rank != 0:
         rendezvous.mark_done(plan_digest(part), len(part))
-        return IndexResult(
-            index_dir=str(run.layout.root), generation=run.previous or "", published=False, count=0, added=0,
-            updated=0, removed=0, unchanged=0, duplicates=0, embedded=run.stats["embedded"],
-            resumed=run.stats["resumed"], skipped=[], factory="", recall_at_10=None, search_params={},
-            timings={**run.timings, "embed": run.stats["embed"], "total": time.perf_counter() - t_start},
-            report_path=str(run.layout.report), mode="rank", rank=world.rank, world_size=world.world_size)
-    if world.world_size > 1:
-        tic = time.perf_counter()
-        rendezvous.wait_for_peers({r: plan_digest(part_of_plan(plan.todo, r, world.world_size, cfg.shard_size))
-                                   for r in range(world.world_size)})
-        run.timings["wait_for_ranks"] = time.perf_counter() - tic
-        shards.refresh()
-        gaps = [e for e in plan.todo if shards.lookup(e.path, e.bytes, e.mtime_ns) is None]
-        if gaps:
-            LOG.warning("rank 0 embeds %d files the other ranks did not (the folder changed during the run?)",
-                        len(gaps))
-            more = run.embedder.embed_into(gaps, shards, progress=cfg.progress)
-            for key in ("embedded", "embed", "decode_wait", "encoder", "decode_cpu"):
-                run.stats[key] = run.stats.get(key, 0) + more.get(key, 0)
-    return _commit(run, t_start)
 
 
-def _commit(run: _Run, t_start: float) -> IndexResult:
-    layout, plan, shards, base = run.layout, run.plan, run.shards, run.base
+def _wait_for_ranks(run: _Run) -> None:
+    """Rank 0 of several: wait for the others' shards, then embed whatever they did not."""
+    cfg, world, plan, shards = run.cfg, run.world, run.plan, run.shards
+    if world.world_size == 1:
+        return
+    with run.clock.phase("wait_for_ranks"):
+        Rendezvous(shards.dir, world, cfg.rank_timeout).wait_for_peers(
+            {r: plan_digest(part_of_plan(plan.todo, r, world.world_size, cfg.shard_size))
+             for r in range(world.world_size)})
+    shards.refresh()
+    gaps = [e for e in plan.todo if shards.lookup(e.path, e.bytes, e.mtime_ns) is None]
+    if gaps:
+        LOG.warning("rank 0 embeds %d files the other ranks did not (the folder changed during the run?)",
+                    len(gaps))
+        run.embed(gaps)
+
+
+# --- 3. commit -----------------------------------------------------------------------------------------------
+
+def _commit(run: _Run) -> IndexResult:
+    """Turn the embedded plan into the next generation by one of the three strategies, and publish it (or
+    nothing, when nothing changed)."""
+    layout, base = run.layout, run.base
+    changes = _changes(run)
+    if base is None and not changes.readable:
+        first = changes.skipped[0]
+        raise DataError(f"no readable images in {run.image_root} ({len(changes.skipped)} unreadable files, e.g. "
+                        f"{display_name(first['path'])}: {first['reason']})")
+    if base is not None and _nothing_changed(run):
+        if _compaction_wanted(run, base):
+            result = _compact(run, run.previous, changes)
+        else:
+            LOG.info("nothing changed in %s; generation %s stays live", run.image_root, run.previous)
+            result = _result(run, "unchanged", base, changes)
+            write_json_atomic(layout.report, asdict(result))
+        run.shards.clear()
+        return result
+
+    name = generation_name(generation_number(run.previous) + 1 if run.previous else 1)
+    with _staging(layout) as staging:
+        if base is None:
+            draft = _commit_full(run, staging, name, changes)
+        else:
+            draft = _commit_update(run, staging, name, changes)
+        manifest = _publish(run, staging, draft, changes, previous=run.previous)
+    result = _result(run, "build" if base is None else "update", manifest, changes, published=True)
+    _write_report(run, result)
+    if base is not None and _compaction_wanted(run, manifest):
+        # the update and the compaction each keep their own report; the index's says both
+        compacted = _compact(run, name, changes)
+        result = replace(compacted, mode=result.mode, compacted=compacted.generation)
+        write_json_atomic(layout.report, asdict(result))
+    run.shards.clear()
+    return result
+
+
+def _changes(run: _Run) -> Changes:
+    """What the embedded plan changes: files the encoder could not read join the skipped ones (a changed
+    file that became unreadable is removed from the index)."""
+    plan, shards = run.plan, run.shards
     failed = {}
     for e in plan.todo:
         entry = shards.lookup(e.path, e.bytes, e.mtime_ns)
@@ -427,54 +494,24 @@ def _commit(run: _Run, t_start: float) -> IndexResult:
         plan.skipped[path] = {"path": path, "bytes": entry["stat_bytes"], "mtime_ns": entry["mtime_ns"],
                               "reason": entry["error"]}
     readable = [e for e in plan.todo if e.path not in failed]
-    counts = {"added": sum(1 for e in readable if e.path not in plan.changed_ids),
-              "updated": sum(1 for e in readable if e.path in plan.changed_ids),
-              # a changed file that became unreadable is removed from the index
-              "removed": len(plan.removed_ids) + sum(1 for p in failed if p in plan.changed_ids)}
-    skipped_list = [{"path": s["path"], "reason": s["reason"]} for s in sorted(plan.skipped.values(),
-                                                                                key=lambda s: s["path"])]
-    if base is None and not readable:
-        raise DataError(f"no readable images in {run.image_root} ({len(plan.skipped)} unreadable files, e.g. "
-                        f"{display_name(skipped_list[0]['path'])}: {skipped_list[0]['reason']})")
-    if base is not None and not plan.todo and not plan.removed_ids:
-        with _open_store(layout.generation(run.previous)) as store:
-            prev_skipped = store.skipped()
-        if prev_skipped == plan.skipped:
-            if _compaction_wanted(run, base):
-                result = _compact(run, run.previous, t_start, skipped_list, counts)
-                shards.clear()
-                return result
-            LOG.info("nothing changed in %s; generation %s stays live", run.image_root, run.previous)
-            shards.clear()
-            result = IndexResult(
-                index_dir=str(layout.root), generation=run.previous, published=False, count=base.count, added=0,
-                updated=0, removed=0, unchanged=plan.unchanged, duplicates=base.duplicates, embedded=0,
-                resumed=0, skipped=skipped_list, factory=base.factory, recall_at_10=base.recall_at_10,
-                search_params=base.search_params, mode="unchanged",
-                timings={**run.timings, "total": time.perf_counter() - t_start}, report_path=str(layout.report),
-                delta_count=base.delta_count, removed_count=base.removed_count)
-            write_json_atomic(layout.report, asdict(result))
-            return result
+    return Changes(readable=readable,
+                   added=sum(1 for e in readable if e.path not in plan.changed_ids),
+                   updated=sum(1 for e in readable if e.path in plan.changed_ids),
+                   removed=len(plan.removed_ids) + sum(1 for p in failed if p in plan.changed_ids),
+                   skipped=_skipped_list(plan))
 
-    name = generation_name(generation_number(run.previous) + 1 if run.previous else 1)
-    with _staging(layout) as staging:
-        if base is None:
-            manifest, timings = _commit_full(run, staging, name, readable, counts)
-        else:
-            manifest, timings = _commit_update(run, staging, name, readable, counts)
-        run.timings.update(timings)
-        result = _publish(run, staging, manifest, counts, skipped_list, t_start, previous=run.previous)
-    if base is not None and _compaction_wanted(run, manifest):
-        compacted = _compact(run, name, t_start, skipped_list, counts)
-        result.compacted = compacted.generation
-        result.timings.update({k: v for k, v in compacted.timings.items() if k.startswith("compact")})
-        for key in ("factory", "recall_at_10", "search_params", "delta_count", "removed_count"):
-            setattr(result, key, getattr(compacted, key))
-        result.generation = compacted.generation
-        result.timings["total"] = time.perf_counter() - t_start
-        write_json_atomic(layout.report, asdict(result))
-    shards.clear()
-    return result
+
+def _skipped_list(plan: Plan) -> list[dict]:
+    return [{"path": s["path"], "reason": s["reason"]} for s in sorted(plan.skipped.values(), key=lambda s: s["path"])]
+
+
+def _nothing_changed(run: _Run) -> bool:
+    """No file to add, update or remove, the same folder, and the same unreadable files as the live generation
+    remembers."""
+    if run.plan.todo or run.plan.removed_ids or run.reattached is not None:
+        return False
+    with _open_store(run.layout.generation(run.previous)) as store:
+        return store.skipped() == run.plan.skipped
 
 
 def _compaction_wanted(run: _Run, manifest: IndexManifest) -> bool:
@@ -493,7 +530,7 @@ def _compaction_wanted(run: _Run, manifest: IndexManifest) -> bool:
 RECORD_CHUNK = 10_000  # files committed per step of a full build (its records and vectors, not all at once)
 
 
-def _records(run: _Run, readable: list[ScanEntry], next_id: int) -> list[dict]:
+def _records(run: _Run, readable: list[FoundFile], next_id: int) -> list[dict]:
     """New records with fresh ids in path order (so a resumed run gives the same ids)."""
     records = []
     for i, e in enumerate(readable):
@@ -514,43 +551,39 @@ def _write_block(run: _Run, name: str, ids: np.ndarray, vectors: np.ndarray, dty
     return [name], writer.records
 
 
-def _commit_full(run: _Run, staging: GenerationPaths, name: str, readable: list[ScanEntry], counts: dict):
+def _commit_full(run: _Run, staging: GenerationPaths, name: str, changes: Changes) -> GenerationDraft:
     """A generation from scratch: one-layer metadata, every vector in one block, a freshly trained index.
     Records and vectors go through in chunks, so 10M files never sit in memory as records or float32 rows."""
-    cfg, plan, encoder = run.cfg, run.plan, run.encoder
+    cfg, encoder, readable = run.cfg, run.encoder, changes.readable
     choice = _wanted(cfg, len(readable), encoder.embedding_dim)
     dtype = block_dtype(choice.factory)
-    tic = time.perf_counter()
-    labels, duplicates = {}, 0
-    with MetadataStore(staging.meta, readonly=False) as store:
-        if run.prev_manifest is not None:  # --rebuild: ids continue, never reused
-            store.set_next_id(run.prev_manifest.next_id)
-        next_id = store.next_id()
-        ids = np.arange(next_id, next_id + len(readable), dtype=np.int64)
-        blocks = [name] if readable else []
-        with BlockWriter(run.layout, name, len(readable), encoder.embedding_dim, dtype) as writer:
-            for start in range(0, len(readable), RECORD_CHUNK):
-                chunk = readable[start:start + RECORD_CHUNK]
-                stored = store.add_items(_records(run, chunk, next_id + start))
-                labels = _label_counts(labels, stored, [])
-                duplicates += sum(r["duplicate_of"] is not None for r in stored)
-                writer.extend(ids[start:start + len(chunk)], run.shards.vectors([e.path for e in chunk]))
-        store.replace_skipped(plan.skipped)
-        final_next_id = store.next_id()
-        store.sync()
-    t_commit = time.perf_counter() - tic
-    tic = time.perf_counter()
-    built = _build_faiss(run, staging, choice, ids, blocks)
-    _copy_encoder(run, staging)
-    t_index = time.perf_counter() - tic
-    tic = time.perf_counter()
-    files = integrity.record_files(staging, integrity.encoder_record(staging, encoder.sha256))
-    block_files = integrity.record_blocks(run.layout, blocks, writer.records)
-    manifest = _manifest(run, name, built, count=len(ids), next_id=final_next_id, duplicates=duplicates,
-                         labels=labels, blocks=blocks, counts=counts, dtype=dtype, base_count=len(ids),
-                         base_next_id=final_next_id, delta_count=0, removed_count=0, base_generation=name,
-                         files=files, block_files=block_files)
-    return manifest, {"commit": t_commit, "index": t_index, "checksums": time.perf_counter() - tic}
+    with run.clock.phase("commit"):
+        labels, duplicates = {}, 0
+        with MetadataStore(staging.meta, readonly=False) as store:
+            if run.prev_manifest is not None:  # --rebuild: ids continue, never reused
+                store.set_next_id(run.prev_manifest.next_id)
+            next_id = store.next_id()
+            ids = np.arange(next_id, next_id + len(readable), dtype=np.int64)
+            blocks = [name] if readable else []
+            with BlockWriter(run.layout, name, len(readable), encoder.embedding_dim, dtype) as writer:
+                for start in range(0, len(readable), RECORD_CHUNK):
+                    chunk = readable[start:start + RECORD_CHUNK]
+                    stored = store.add_items(_records(run, chunk, next_id + start))
+                    labels = _label_counts(labels, stored, [])
+                    duplicates += sum(r["duplicate_of"] is not None for r in stored)
+                    writer.extend(ids[start:start + len(chunk)], run.shards.vectors([e.path for e in chunk]))
+            store.replace_skipped(run.plan.skipped)
+            final_next_id = store.next_id()
+            store.sync()
+    with run.clock.phase("index"):
+        built = _build_faiss(run, staging, choice, ids, blocks)
+        _copy_encoder(run, staging)
+    with run.clock.phase("checksums"):
+        files = integrity.record_files(staging, integrity.encoder_record(staging, encoder.sha256))
+        block_files = integrity.record_blocks(run.layout, blocks, writer.records)
+    return GenerationDraft(name, built, count=len(ids), next_id=final_next_id, duplicates=duplicates,
+                           labels=labels, blocks=blocks, dtype=dtype, base_count=len(ids),
+                           base_next_id=final_next_id, base_generation=name, files=files, block_files=block_files)
 
 
 def _build_faiss(run: _Run, staging: GenerationPaths, choice: faiss_index.IndexChoice, live_ids: np.ndarray,
@@ -574,53 +607,49 @@ def _build_faiss(run: _Run, staging: GenerationPaths, choice: faiss_index.IndexC
     return built
 
 
-def _commit_update(run: _Run, staging: GenerationPaths, name: str, readable: list[ScanEntry], counts: dict):
+def _commit_update(run: _Run, staging: GenerationPaths, name: str, changes: Changes) -> GenerationDraft:
     """The predecessor plus what changed (see ``indexer.update``)."""
-    layout, base, plan = run.layout, run.base, run.plan
+    layout, base, plan, readable = run.layout, run.base, run.plan, changes.readable
     prev = layout.generation(run.previous)
-    tic = time.perf_counter()
-    update.link_base(prev, staging)
-    with update.open_delta_store(prev, staging) as store:
-        old_ids = list(plan.removed_ids) + [plan.changed_ids[p] for p in sorted(plan.changed_ids)]
-        removed = store.remove_items(old_ids, name)
-        next_id = store.next_id()
-        stored = store.add_items(_records(run, readable, next_id))
-        store.replace_skipped(plan.skipped)
-        final_next_id = store.next_id()
-        store.sync()
-    ids = np.arange(next_id, next_id + len(readable), dtype=np.int64)
-    vectors = run.shards.vectors([e.path for e in readable])
-    labels = _label_counts(base.labels, stored, [rec for rec, _ in removed])
-    duplicates = base.duplicates + _duplicate_change(stored, removed)
-    dtype = np.dtype(base.block_dtype)
-    blocks = [b for b in base.vector_blocks if block_exists(layout, b)]
-    new_blocks, new_block_files = _write_block(run, name, ids, vectors, dtype)
-    blocks += new_blocks
-    t_commit = time.perf_counter() - tic
-    tic = time.perf_counter()
-    delta_count, removed_count = update.update_faiss(prev, staging, base, ids, vectors,
-                                                     np.asarray(old_ids, dtype=np.int64))
-    _copy_encoder(run, staging)
-    t_index = time.perf_counter() - tic
-    tic = time.perf_counter()
-    # the base is shared with the predecessor by hard links: its records carry over unread (an update costs
-    # what changed); the delta layer this run wrote is hashed
-    files = integrity.record_files(staging, {**integrity.carried(base),
-                                             **integrity.encoder_record(staging, run.encoder.sha256)})
-    block_files = integrity.record_blocks(layout, blocks, {**base.block_files, **new_block_files})
+    with run.clock.phase("commit"):
+        update.link_base(prev, staging)
+        with update.open_delta_store(prev, staging) as store:
+            old_ids = list(plan.removed_ids) + [plan.changed_ids[p] for p in sorted(plan.changed_ids)]
+            removed = store.remove_items(old_ids, name)
+            next_id = store.next_id()
+            stored = store.add_items(_records(run, readable, next_id))
+            store.replace_skipped(plan.skipped)
+            final_next_id = store.next_id()
+            store.sync()
+        ids = np.arange(next_id, next_id + len(readable), dtype=np.int64)
+        vectors = run.shards.vectors([e.path for e in readable])
+        labels = _label_counts(base.labels, stored, [rec for rec, _ in removed])
+        duplicates = base.duplicates + _duplicate_change(stored, removed)
+        dtype = np.dtype(base.block_dtype)
+        blocks = [b for b in base.vector_blocks if block_exists(layout, b)]
+        new_blocks, new_block_files = _write_block(run, name, ids, vectors, dtype)
+        blocks += new_blocks
+    with run.clock.phase("index"):
+        delta_count, removed_count = update.update_faiss(prev, staging, base, ids, vectors,
+                                                         np.asarray(old_ids, dtype=np.int64))
+        _copy_encoder(run, staging)
+    with run.clock.phase("checksums"):
+        # the base is shared with the predecessor by hard links: its records carry over unread (an update costs
+        # what changed); the delta layer this run wrote is hashed
+        files = integrity.record_files(staging, {**integrity.carried(base),
+                                                 **integrity.encoder_record(staging, run.encoder.sha256)})
+        block_files = integrity.record_blocks(layout, blocks, {**base.block_files, **new_block_files})
     count = base.count + len(ids) - len(old_ids)
-    built = faiss_index.BuiltIndex(index=None, factory=base.factory, search_params=base.search_params,
-                                   recall_at_10=base.recall_at_10, exact=base.exact, trained_on=base.trained_on,
-                                   on_gpu=base.built_on_gpu, on_disk=base.on_disk)
-    manifest = _manifest(run, name, built, count=count, next_id=final_next_id, duplicates=duplicates,
-                         labels=labels, blocks=blocks, counts=counts, dtype=dtype, base_count=base.base_count,
-                         base_next_id=base.base_next_id, delta_count=delta_count, removed_count=removed_count,
-                         base_generation=base.base_generation or base.generation, files=files,
-                         block_files=block_files)
     if base.base_count - removed_count + delta_count != count:
         raise ArtifactError(f"{layout.root}: the update of {run.previous} would hold {count} items but its FAISS "
                             "parts do not; rebuild with `moco index --rebuild`")
-    return manifest, {"commit": t_commit, "index": t_index, "checksums": time.perf_counter() - tic}
+    built = faiss_index.BuiltIndex(index=None, factory=base.factory, search_params=base.search_params,
+                                   recall_at_10=base.recall_at_10, exact=base.exact, trained_on=base.trained_on,
+                                   on_gpu=base.built_on_gpu, on_disk=base.on_disk)
+    return GenerationDraft(name, built, count=count, next_id=final_next_id, duplicates=duplicates, labels=labels,
+                           blocks=blocks, dtype=dtype, base_count=base.base_count, base_next_id=base.base_next_id,
+                           base_generation=base.base_generation or base.generation, files=files,
+                           block_files=block_files, delta_count=delta_count, removed_count=removed_count)
 
 
 def _label_counts(labels: dict, added: list[dict], removed: list[dict]) -> dict:
@@ -642,103 +671,114 @@ def _duplicate_change(added: list[dict], removed: list[tuple[dict, bool]]) -> in
     return sum(r["duplicate_of"] is not None for r in added) - sum(1 for _, copies_left in removed if copies_left)
 
 
-def _compact(run: _Run, source: str, t_start: float, skipped_list: list[dict], counts: dict) -> IndexResult:
+def _compact(run: _Run, source: str, changes: Changes) -> IndexResult:
     """Publish the live content of generation ``source`` as a new base (see ``indexer.update``)."""
+    name = generation_name(generation_number(source) + 1)
     with _staging(run.layout) as staging:
-        return _compact_into(run, source, staging, t_start, skipped_list, counts)
+        draft = _commit_compaction(run, source, staging, name)
+        manifest = _publish(run, staging, draft, changes, previous=source)
+    LOG.info("compacted %s into %s (%d items, recall@10 %s)", source, name, manifest.count, manifest.recall_at_10)
+    result = _result(run, "compaction", manifest, changes, published=True)
+    _write_report(run, result)
+    return result
 
 
-def _compact_into(run: _Run, source: str, staging: GenerationPaths, t_start: float, skipped_list: list[dict],
-                  counts: dict) -> IndexResult:
+def _commit_compaction(run: _Run, source: str, staging: GenerationPaths, name: str) -> GenerationDraft:
+    """Metadata layers folded into one, vector blocks merged, the FAISS index rebuilt from the live vectors
+    (IVF keeps its trained lists)."""
     cfg, layout, encoder = run.cfg, run.layout, run.encoder
     src = layout.generation(source)
     manifest = IndexManifest.read(src.manifest)
-    name = generation_name(generation_number(source) + 1)
-    tic = time.perf_counter()
-    # everything the new base is rebuilt from, hashed first: a compaction over a damaged vector block published
-    # garbage measured at "recall@10 1.0" (the recall check reads the same blocks)
-    integrity.check_files(layout, source, manifest, hashed=integrity.COMPACTION_READS, blocks=True,
-                          hashed_blocks=True)
-    with output_errors(staging.meta):
-        if src.delta_meta.is_dir():
-            materialize(src.meta, src.delta_meta, staging.meta)
-            linked = {}
-        else:
-            link_store(src.meta, staging.meta)
-            linked = integrity.carried(manifest, [f"{META_DIR}/{LMDB_DATA_FILE}"])
-    with MetadataStore(staging.meta) as store:
-        live_ids = store.live_ids()
-    choice = _wanted(cfg, max(1, len(live_ids)), encoder.embedding_dim)
-    trained = None
-    if faiss_index.same_structure(manifest.factory, choice.factory):
-        trained = update.read_trained(src)  # IVF: keep the trained lists; nlist stays as it is
-        choice = faiss_index.IndexChoice(manifest.factory, choice.on_disk)
-    dtype = block_dtype(choice.factory)
-    blocks = [b for b in manifest.vector_blocks if block_exists(layout, b)]
-    blocks, new_block_files = update.compact_blocks(layout, blocks, live_ids, name, dtype)
-    t_meta = time.perf_counter() - tic
-    tic = time.perf_counter()
-    built = _build_faiss(run, staging, choice, live_ids, blocks, trained=trained)
-    _copy_encoder(run, staging)
-    t_index = time.perf_counter() - tic
+    with run.clock.phase("compact_metadata"):
+        # everything the new base is rebuilt from, hashed first: a compaction over a damaged vector block
+        # published garbage measured at "recall@10 1.0" (the recall check reads the same blocks)
+        integrity.check_files(layout, source, manifest, hashed=integrity.COMPACTION_READS, blocks=True,
+                              hashed_blocks=True)
+        with output_errors(staging.meta):
+            if src.delta_meta.is_dir():
+                materialize(src.meta, src.delta_meta, staging.meta)
+                linked = {}
+            else:
+                link_store(src.meta, staging.meta)
+                linked = integrity.carried(manifest, [f"{META_DIR}/{LMDB_DATA_FILE}"])
+        with MetadataStore(staging.meta) as store:
+            live_ids = store.live_ids()
+        choice = _wanted(cfg, max(1, len(live_ids)), encoder.embedding_dim)
+        trained = None
+        if faiss_index.same_structure(manifest.factory, choice.factory):
+            trained = update.read_trained(src)  # IVF: keep the trained lists; nlist stays as it is
+            choice = faiss_index.IndexChoice(manifest.factory, choice.on_disk)
+        dtype = block_dtype(choice.factory)
+        blocks = [b for b in manifest.vector_blocks if block_exists(layout, b)]
+        blocks, new_block_files = update.compact_blocks(layout, blocks, live_ids, name, dtype)
+    with run.clock.phase("compact_index"):
+        built = _build_faiss(run, staging, choice, live_ids, blocks, trained=trained)
+        _copy_encoder(run, staging)
     files = integrity.record_files(staging, {**linked, **integrity.encoder_record(staging, encoder.sha256)})
     block_files = integrity.record_blocks(layout, blocks, {**manifest.block_files, **new_block_files})
-    compacted = _manifest(run, name, built, count=len(live_ids), next_id=manifest.next_id,
-                          duplicates=manifest.duplicates, labels=manifest.labels, blocks=blocks,
-                          counts=counts, dtype=dtype, base_count=len(live_ids),
-                          base_next_id=manifest.next_id, delta_count=0, removed_count=0, base_generation=name,
-                          files=files, block_files=block_files)
-    compacted.created_at = manifest.created_at
-    run.timings.update({"compact_metadata": t_meta, "compact_index": t_index})
-    result = _publish(run, staging, compacted, counts, skipped_list, t_start, previous=source, mode="compaction")
-    LOG.info("compacted %s into %s (%d items, recall@10 %s)", source, name, len(live_ids), built.recall_at_10)
-    return result
+    return GenerationDraft(name, built, count=len(live_ids), next_id=manifest.next_id,
+                           duplicates=manifest.duplicates, labels=manifest.labels, blocks=blocks, dtype=dtype,
+                           base_count=len(live_ids), base_next_id=manifest.next_id, base_generation=name,
+                           files=files, block_files=block_files, created_at=manifest.created_at)
 
 
-def _manifest(run: _Run, name: str, built: faiss_index.BuiltIndex, *, count, next_id, duplicates, labels, blocks,
-              counts, dtype, base_count, base_next_id, delta_count, removed_count, base_generation, files,
-              block_files) -> IndexManifest:
-    cfg, encoder, base = run.cfg, run.encoder, run.base
+# --- 4. publish ----------------------------------------------------------------------------------------------
+
+def _manifest(run: _Run, draft: GenerationDraft, changes: Changes) -> IndexManifest:
+    """The manifest of ``draft``: what the commit strategy made, and what the run knows (its model, folder,
+    options and the changes it made)."""
+    cfg, encoder, base, built = run.cfg, run.encoder, run.base, draft.built
     now = utc_now()
     return IndexManifest(
-        generation=name, created_at=base.created_at if base else now, updated_at=now,
-        model_sha256=encoder.sha256, model=_model_summary(encoder), embedding_dim=encoder.embedding_dim,
+        generation=draft.name, created_at=draft.created_at or (base.created_at if base else now), updated_at=now,
+        model_sha256=encoder.sha256, model=model_summary(encoder.metadata), embedding_dim=encoder.embedding_dim,
         index_type=cfg.index_type, factory=built.factory, search_params=built.search_params,
         recall_at_10=built.recall_at_10, exact=built.exact, trained_on=built.trained_on, built_on_gpu=built.on_gpu,
-        count=int(count), next_id=int(next_id), duplicates=int(duplicates), skipped=len(run.plan.skipped),
-        labels=labels, image_root=str(run.image_root),
-        labels_csv=str(Path(cfg.labels_csv).absolute()) if cfg.labels_csv else None, vector_blocks=blocks,
-        block_dtype=np.dtype(dtype).name, on_disk=built.on_disk, base_count=int(base_count),
-        base_next_id=int(base_next_id), delta_count=int(delta_count), removed_count=int(removed_count),
-        base_generation=base_generation,
-        last_update={"added": counts["added"], "updated": counts["updated"], "removed": counts["removed"],
+        count=int(draft.count), next_id=int(draft.next_id), duplicates=int(draft.duplicates),
+        skipped=len(run.plan.skipped), labels=draft.labels, image_root=str(run.image_root),
+        labels_csv=str(Path(cfg.labels_csv).absolute()) if cfg.labels_csv else None, vector_blocks=draft.blocks,
+        block_dtype=np.dtype(draft.dtype).name, on_disk=built.on_disk, base_count=int(draft.base_count),
+        base_next_id=int(draft.base_next_id), delta_count=int(draft.delta_count),
+        removed_count=int(draft.removed_count), base_generation=draft.base_generation,
+        last_update={"added": changes.added, "updated": changes.updated, "removed": changes.removed,
                      "unchanged": run.plan.unchanged},
-        library_versions=_library_versions(), files=files, block_files=block_files,
+        library_versions=_library_versions(), files=draft.files, block_files=draft.block_files,
     )
 
 
-def _publish(run: _Run, staging: GenerationPaths, manifest: IndexManifest, counts: dict, skipped_list: list[dict],
-             t_start: float, previous: str | None, mode: str | None = None) -> IndexResult:
-    layout = run.layout
-    tic = time.perf_counter()
-    manifest.write(staging.manifest)
-    _check_opens(layout, staging)
-    publish(layout, staging, manifest.generation, previous)
-    run.timings["publish"] = run.timings.get("publish", 0.0) + time.perf_counter() - tic
-    stats = run.stats
-    timings = {**run.timings, **{k: v for k, v in stats.items() if k not in ("embedded", "resumed")}}
-    timings["total"] = time.perf_counter() - t_start
-    result = IndexResult(
-        index_dir=str(layout.root), generation=manifest.generation, published=True, count=manifest.count,
-        added=counts["added"], updated=counts["updated"], removed=counts["removed"], unchanged=run.plan.unchanged,
-        duplicates=manifest.duplicates, embedded=stats.get("embedded", 0), resumed=stats.get("resumed", 0),
-        skipped=skipped_list, factory=manifest.factory, recall_at_10=manifest.recall_at_10,
-        search_params=manifest.search_params, timings=timings, report_path=str(layout.report),
-        mode=mode or ("build" if run.base is None else "update"), world_size=run.world.world_size,
-        delta_count=manifest.delta_count, removed_count=manifest.removed_count)
-    write_json_atomic(layout.report, asdict(result))
-    link_or_copy_atomic(layout.report, layout.generation(manifest.generation).report)
-    return result
+def _publish(run: _Run, staging: GenerationPaths, draft: GenerationDraft, changes: Changes,
+             previous: str | None) -> IndexManifest:
+    """Write the manifest of ``draft``, open the generation as a server will, and make it the live one."""
+    manifest = _manifest(run, draft, changes)
+    with run.clock.phase("publish"):
+        manifest.write(staging.manifest)
+        _check_opens(run.layout, staging)
+        publish(run.layout, staging, manifest.generation, previous)
+    return manifest
+
+
+def _result(run: _Run, mode: str, manifest: IndexManifest | None = None, changes: Changes | None = None,
+            published: bool = False) -> IndexResult:
+    """What the run did, as the report and the CLI give it: ``manifest`` is the generation live afterwards
+    (None for a rank > 0, which only embeds)."""
+    changes = changes or Changes([], 0, 0, 0, [])
+    m = manifest
+    return IndexResult(
+        index_dir=str(run.layout.root), generation=m.generation if m else (run.previous or ""), published=published,
+        count=m.count if m else 0, added=changes.added, updated=changes.updated, removed=changes.removed,
+        unchanged=run.plan.unchanged if m else 0, duplicates=m.duplicates if m else 0, embedded=run.embedded,
+        resumed=run.resumed, skipped=changes.skipped, factory=m.factory if m else "",
+        recall_at_10=m.recall_at_10 if m else None, search_params=m.search_params if m else {},
+        timings=run.clock.report(), report_path=str(run.layout.report), mode=mode, rank=run.world.rank,
+        world_size=run.world.world_size, delta_count=m.delta_count if m else 0,
+        removed_count=m.removed_count if m else 0, not_images=run.not_images, reattached=run.reattached)
+
+
+def _write_report(run: _Run, result: IndexResult) -> None:
+    """``INDEX_DIR/report.json``, and a copy in the generation the result made."""
+    write_json_atomic(run.layout.report, asdict(result))
+    if result.published:
+        link_or_copy_atomic(run.layout.report, run.layout.generation(result.generation).report)
 
 
 def _check_opens(layout: IndexLayout, staging: GenerationPaths) -> None:
@@ -755,24 +795,27 @@ def _check_opens(layout: IndexLayout, staging: GenerationPaths) -> None:
 
 
 def _copy_encoder(run: _Run, staging: GenerationPaths) -> None:
-    """Copy the encoder into the generation: a hard link to the previous generation's copy when it is still
-    this model byte for byte (generations are immutable, so they can share the file), else ``--model``, whose
-    sha256 this run checked. The previous copy is hashed again: linked forward unread, a damaged copy made
-    every later generation unopenable."""
-    prev, source = run.prev_manifest, Path(run.encoder.path)
-    if prev is not None and prev.model_sha256 == run.encoder.sha256 and run.previous is not None:
+    """Put the encoder into the generation: a hard link to the previous generation's copy when it is still
+    this model byte for byte (generations are immutable, so they can share the file), else a copy of
+    ``--model`` checked against the sha256 this run embedded with. Never a link to the user's file: a later
+    ``cp other.onnx model.onnx`` would have changed the index's own copy. The previous copy is hashed again:
+    linked forward unread, a damaged copy made every later generation unopenable.
+
+    Raises:
+        ArtifactError: ``--model`` changed while the run embedded with it.
+    """
+    prev, sha256 = run.prev_manifest, run.encoder.sha256
+    if prev is not None and prev.model_sha256 == sha256 and run.previous is not None:
         copy = run.layout.generation(run.previous).encoder
-        if file_sha256(copy) == run.encoder.sha256:
-            source = copy
-        else:
-            LOG.warning("%s is not the model it was copied from (damaged or missing); copying %s instead",
-                        copy, source)
-    link_or_copy_atomic(source, staging.encoder)
-
-
-def _model_summary(encoder) -> dict:
-    keys = ("arch", "moco_version", "image_size", "embedding_dim", "resize", "run_id", "format_version")
-    return {k: encoder.metadata[k] for k in keys if k in encoder.metadata}
+        if file_sha256(copy) == sha256:
+            link_or_copy_atomic(copy, staging.encoder)
+            return
+        LOG.warning("%s is not the model it was copied from (damaged or missing); copying %s instead",
+                    copy, run.encoder.path)
+    copy_atomic(run.encoder.path, staging.encoder)
+    if file_sha256(staging.encoder) != sha256:
+        raise ArtifactError(f"{run.encoder.path} changed while this run embedded with it; run the same command "
+                            "again")
 
 
 def _library_versions() -> dict:

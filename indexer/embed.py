@@ -13,16 +13,28 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
 from moco_retrieval.contracts.filenames import display_name
 from moco_retrieval.indexer.decode import decode_files
 from moco_retrieval.indexer.encoder import OnnxEncoder
-from moco_retrieval.indexer.scan import ScanEntry
+from moco_retrieval.contracts.images import FoundFile
 from moco_retrieval.indexer.shards import WorkShards
 
 LOG = logging.getLogger(__name__)
+
+
+class Embedder(Protocol):
+    """What ``moco index`` needs from a model (see the module docstring)."""
+
+    encoder: OnnxEncoder  # or anything with its path, sha256, embedding_dim, metadata and provider
+
+    def embed_into(self, entries: list[FoundFile], shards: WorkShards, progress: bool = True) -> dict:
+        """Put a result for every entry no finished shard holds into ``shards``; returns ``embedded`` and
+        ``resumed`` (counts) and seconds per phase (``embed``, ``encoder``, ``decode_wait``, ``decode_cpu``)."""
+        ...
 
 
 class FolderEmbedder:
@@ -35,7 +47,7 @@ class FolderEmbedder:
         self.batch_size = batch_size
         self.workers = workers
 
-    def embed_into(self, entries: list[ScanEntry], shards: WorkShards, progress: bool = True) -> dict:
+    def embed_into(self, entries: list[FoundFile], shards: WorkShards, progress: bool = True) -> dict:
         """Embed every entry no finished shard holds; returns counts and where the time went."""
         from tqdm import tqdm
 
@@ -91,7 +103,7 @@ class FolderEmbedder:
         return stats
 
 
-def shard_entry(e: ScanEntry, d) -> dict:
+def shard_entry(e: FoundFile, d) -> dict:
     """The shard entry of one decoded (or failed) file."""
     return {"path": e.path, "stat_bytes": e.bytes, "mtime_ns": e.mtime_ns, "sha256": d.sha256, "width": d.width,
             "height": d.height, "bytes": d.bytes, "error": d.error}

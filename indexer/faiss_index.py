@@ -36,6 +36,7 @@ import numpy as np
 from moco_retrieval.contracts.atomic import check_free_space
 from moco_retrieval.contracts.errors import ConfigError, IndexBuildError, OutputError
 from moco_retrieval.indexer import faiss_gpu
+from moco_retrieval.indexer.config import TARGET_RECALL
 from moco_retrieval.indexer.factory import Factory
 from moco_retrieval.indexer.searcher import LayeredIndex, unwrap
 
@@ -45,7 +46,6 @@ INDEX_TYPES = ("auto", "flat", "hnsw", "ivf", "ivfpq")
 FLAT_MAX = 100_000
 HNSW_MAX = 1_000_000
 HNSW_M = 32
-TARGET_RECALL = 0.95
 RECALL_QUERIES = 256
 RECALL_K = 10
 PLATEAU = 0.002  # stop raising nprobe/efSearch when recall@10 improves by less than this

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from moco_retrieval.contracts.errors import ConfigError, DataError
-from moco_retrieval.contracts.images import find_image_file
 from moco_retrieval.indexer.metadata import MetadataStore
-from moco_retrieval.indexer.scan import ScanEntry, ScanResult
+from moco_retrieval.contracts.images import FoundFile, find_image_file
+from moco_retrieval.indexer.scan import ScanResult
 
 LOG = logging.getLogger(__name__)
 
@@ -31,7 +31,7 @@ LOG = logging.getLogger(__name__)
 class Plan:
     """The difference between the folder and the live generation."""
 
-    todo: list[ScanEntry]             # new or changed files, in path order
+    todo: list[FoundFile]             # new or changed files, in path order
     changed_ids: dict[str, int]       # path -> old id, for changed files
     removed_ids: list[int]            # ids of vanished files
     unchanged: int
@@ -74,12 +74,11 @@ def scan_listed(root: Path, paths: list[str], labels: dict[str, str] | None) -> 
         elif found.skip_reason is not None:
             skipped.append((found.path, found.skip_reason))
         else:
-            label = labels.get(found.path) if labels is not None else found.label
-            entries.append(ScanEntry(found.path, label, found.bytes, found.mtime_ns))
+            entries.append(found if labels is None else replace(found, label=labels.get(found.path)))
     return ScanResult(root=Path(root), entries=entries, skipped=skipped), gone
 
 
-def plan_full(entries: list[ScanEntry], store: MetadataStore | None) -> Plan:
+def plan_full(entries: list[FoundFile], store: MetadataStore | None) -> Plan:
     """Split the scanned files into unchanged, to-embed (new or changed) and removed, against ``store``."""
     if store is None:
         return Plan(todo=list(entries), changed_ids={}, removed_ids=[], unchanged=0, skipped={})
@@ -90,7 +89,7 @@ def plan_full(entries: list[ScanEntry], store: MetadataStore | None) -> Plan:
     return plan
 
 
-def plan_listed(entries: list[ScanEntry], gone: list[str], store: MetadataStore | None) -> Plan:
+def plan_listed(entries: list[FoundFile], gone: list[str], store: MetadataStore | None) -> Plan:
     """The plan for a changed list: ``entries`` (listed files that exist) and ``gone`` (listed, not there)."""
     if store is None:
         raise DataError("--changed-list updates an existing index; build it first with a full `moco index`")
@@ -108,7 +107,7 @@ def plan_listed(entries: list[ScanEntry], gone: list[str], store: MetadataStore 
     return plan
 
 
-def _compare(entries: list[ScanEntry], records: dict[str, dict], old_skipped: dict[str, dict]) -> Plan:
+def _compare(entries: list[FoundFile], records: dict[str, dict], old_skipped: dict[str, dict]) -> Plan:
     todo, changed, unchanged, skipped = [], {}, 0, {}
     for e in entries:
         rec = records.get(e.path)

@@ -31,7 +31,7 @@ from typing import Iterator
 
 import numpy as np
 
-from moco_retrieval.contracts.encoder_format import preprocess_image
+from moco_retrieval.contracts.encoder_format import model_summary, preprocess_image
 from moco_retrieval.contracts.errors import (
     ArtifactError,
     ConfigError,
@@ -603,10 +603,7 @@ class SearchEngine:
                 "generation": gen.name,
                 "items": gen.ntotal,
                 "labels": labels,
-                "model": {key: enc.metadata.get(key) for key in ("arch", "moco_version", "image_size",
-                                                                  "embedding_dim", "run_id", "precision",
-                                                                  "init_source")}
-                | {"sha256": enc.sha256, "provider": enc.provider},
+                "model": model_summary(enc.metadata) | {"sha256": enc.sha256, "provider": enc.provider},
                 "index": {"factory": m.factory, "metric": m.metric, "type": type(gen.directory.index).__name__,
                           "recall_at_10": m.recall_at_10},
                 "created_at": m.created_at,

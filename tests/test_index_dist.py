@@ -113,9 +113,9 @@ def test_index_ranks__a_killed_rank_resumes_on_rerun(shapes_dir, index_encoder, 
 def test_rendezvous__a_stale_marker_of_the_same_work_counts(tmp_path):
     from moco_retrieval.contracts.launch import WorldInfo
     from moco_retrieval.indexer.ranks import Rendezvous
-    from moco_retrieval.indexer.scan import ScanEntry
+    from moco_retrieval.contracts.images import FoundFile
 
-    entries = [ScanEntry(f"{i}.png", None, i, i) for i in range(10)]
+    entries = [FoundFile(f"{i}.png", None, i, i) for i in range(10)]
     peer = Rendezvous(tmp_path, WorldInfo(1, 1, 2, 2))
     peer.mark_done(plan_digest(part_of_plan(entries, 1, 2, 3)), 4)
     rank0 = Rendezvous(tmp_path, WorldInfo(0, 0, 2, 2), timeout_s=0.5)
