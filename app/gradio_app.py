@@ -30,6 +30,7 @@ import gradio as gr
 from fastapi import FastAPI
 
 from moco_retrieval.contracts.atomic import atomic_write, check_writable
+from moco_retrieval.contracts.encoder_format import model_label
 from moco_retrieval.contracts.errors import MocoError
 from moco_retrieval.contracts.filenames import display_name
 from moco_retrieval.contracts.knn import KNN_TEMPERATURE, SEARCH_K
@@ -116,7 +117,7 @@ def stats_markdown(stats: dict) -> str:
     recall = index.get("recall_at_10")
     return (f"**{stats['items']} items** · generation `{stats['generation']}` · updated {stats['updated_at']}  \n"
             f"**labels:** {label_text}  \n"
-            f"**model:** MoCo v{model.get('moco_version')} {model.get('arch')}, {model.get('image_size')} px, "
+            f"**model:** {model_label(model)}, {model.get('image_size')} px, "
             f"{model.get('embedding_dim')}-d, `{model['sha256'][:12]}` on {model.get('provider')}  \n"
             f"**index:** `{index.get('factory')}` ({index.get('metric')}), recall@10 "
             f"{'n/a' if recall is None else f'{recall:.3f}'}")

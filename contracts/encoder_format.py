@@ -7,7 +7,9 @@ transposes to NCHW itself. Output :data:`OUTPUT_NAME`, float32 ``[N, D]``, L2-no
 
 ``metadata_props`` are strings. :data:`REQUIRED_KEYS` say what the file is (``format`` =
 :data:`ENCODER_FORMAT`, ``format_version``) and how to feed it (``image_size``, ``resize``, ``mean``/``std``,
-``embedding_dim``); provenance keys (``run_id``, ``checkpoint_epoch`` ...) may follow. :func:`encode_metadata`
+``embedding_dim``); provenance keys (``run_id``, ``checkpoint_epoch`` ...) may follow. An encoder exported
+straight from weights (``moco export --init``) also names them: ``init_source`` (the file's name),
+``init_sha256`` and ``init_layout``; its ``moco_version`` is 0 when MoCo did not train them (torchvision, timm). :func:`encode_metadata`
 and :func:`decode_metadata` are each other's inverse; :func:`validate_metadata` is the one check a reader runs.
 
 The resize policy :data:`RESIZE_POLICY` (``shorter_side_center_crop``) is implemented by
@@ -43,8 +45,10 @@ REQUIRED_KEYS = ("format", "format_version", "image_size", "embedding_dim", "arc
                  "mean", "std")
 
 
+# what an index's manifest and `/api/info` say about the model (init_*: the weights file of an encoder made by
+# `moco export --init`, present only there)
 SUMMARY_KEYS = ("arch", "moco_version", "image_size", "embedding_dim", "resize", "precision", "run_id",
-                "format_version")  # what an index's manifest and `/api/info` say about the model
+                "format_version", "init_source", "init_sha256")
 
 
 def model_summary(meta: dict) -> dict:
@@ -108,6 +112,15 @@ def validate_metadata(props: dict[str, str], where: str) -> dict:
             raise ArtifactError(f"{where} declares {key} {meta[key]}, outside {low}-{high}; export it again with "
                                 "`moco export`")
     return meta
+
+
+def model_label(meta: dict) -> str:
+    """``"MoCo v2 resnet18"``, or ``"resnet18 (weights from r18.pth)"`` for weights MoCo did not train."""
+    version = int(meta.get("moco_version") or 0)
+    if version:
+        return f"MoCo v{version} {meta.get('arch')}"
+    source = meta.get("init_source")
+    return f"{meta.get('arch')}" + (f" (weights from {source})" if source else "")
 
 
 NORM_TOLERANCE = 1e-2  # an encoder's output rows must have L2 norm 1 within this (fp16 graphs included)
