@@ -538,3 +538,107 @@ def test_row_group__many_row_groups_hold_the_same_rows_as_one(tmp_path, monkeypa
     np.testing.assert_array_equal(np.load(tmp_path / "npy7.npy"), np.stack(ref.column("vector").to_numpy(
         zero_copy_only=False)))
     assert ref.column("id").to_pylist() == list(range(50))
+
+
+# --- contracts/images.py -----------------------------------------------------------------------------------
+
+def _png(path: Path, side: int, noise: bool, seed: int = 0) -> bytes:
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    pixels = (rng.integers(0, 256, (side, side, 3)) if noise else np.full((side, side, 3), 90 + seed)).astype(np.uint8)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(pixels).save(path)
+    return path.read_bytes()
+
+
+def test_max_file_bytes__a_file_at_the_limit_is_read_one_byte_over_is_refused(tmp_path, monkeypatch):
+    """MAX_FILE_BYTES (contracts/images.py, files over 1 GiB refused before being read): every reader (the raw
+    read, the decode, the check, the indexer's decode of a file) must read a file at the limit whole and refuse
+    one a byte over in one line, never read it into memory."""
+    from moco_retrieval.contracts import images
+    from moco_retrieval.contracts.encoder_format import RESIZE_POLICY
+    from moco_retrieval.contracts.errors import DataError
+    from moco_retrieval.indexer.decode import decode_file
+
+    path = tmp_path / "img.png"
+    data = _png(path, 16, noise=True)
+    n = len(data)
+    assert images.read_image_bytes(path, max_bytes=n) == data
+    with pytest.raises(DataError, match=rf"^file too large \({n} bytes, limit {n - 1}\)$"):
+        images.read_image_bytes(path, max_bytes=n - 1)
+    monkeypatch.setattr(images, "MAX_FILE_BYTES", n)  # at the limit: read
+    assert images.read_image_bytes(path) == data
+    assert images.decode_image(path).size == (16, 16)
+    assert images.check_image(path) is None
+    ok = decode_file(("img.png", str(path), 16, RESIZE_POLICY))
+    assert ok.error is None and ok.bytes == n and ok.sha256 == hashlib.sha256(data).hexdigest()
+    monkeypatch.setattr(images, "MAX_FILE_BYTES", n - 1)  # one byte over: refused, the same line everywhere
+    reason = f"file too large ({n} bytes, limit {n - 1})"
+    with pytest.raises(DataError) as raw:
+        images.read_image_bytes(path)
+    with pytest.raises(DataError) as decoded:
+        images.decode_image(path)
+    assert str(raw.value) == reason and str(decoded.value) == f"{path}: {reason}"
+    assert images.check_image(path) == reason
+    refused = decode_file(("img.png", str(path), 16, RESIZE_POLICY))
+    assert refused.pixels is None and f"{reason}" in refused.error and "\n" not in refused.error
+
+
+# --- serve/http.py -----------------------------------------------------------------------------------------
+
+def test_small_file_bytes__item_images_read_whole_or_streamed_are_the_same_bytes(tmp_path, monkeypatch):
+    """SMALL_FILE_BYTES (serve/http.py, item images up to this size sent from one read, larger ones streamed):
+    through a real server, a file at the limit and one past it (streamed in several chunks) must arrive byte for
+    byte, with the right length."""
+    import httpx
+
+    from moco_retrieval.serve import http
+    from moco_retrieval.serve.engine import EngineConfig, SearchEngine
+    from tests._serve_helpers import RunningServer
+    from tests.index_fixtures import write_tiny_encoder
+
+    data = tmp_path / "images"
+    files = {"a/small.png": _png(data / "a/small.png", 8, noise=False),
+             "a/big.png": _png(data / "a/big.png", 48, noise=True, seed=1),
+             "b/other.png": _png(data / "b/other.png", 16, noise=True, seed=2)}
+    small, big = len(files["a/small.png"]), len(files["a/big.png"])
+    assert big > small + 4000
+    encoder = write_tiny_encoder(tmp_path / "model" / "encoder.onnx")
+    out = tmp_path / "idx"
+    build_index_dir(IndexConfig(str(data), str(encoder), str(out), workers=0, progress=False, device="cpu"))
+    with IndexDirectory.open(out) as d:
+        ids = {p: d.id_of_path(p) for p in files}
+    streamed = []
+    chunks = http._chunks
+
+    def small_chunks(f, size=1 << 20):  # the streaming path, in 1,000-byte chunks (several for the big file)
+        sent = []
+        streamed.append(sent)
+        for chunk in chunks(f, 1000):
+            sent.append(len(chunk))
+            yield chunk
+
+    monkeypatch.setattr(http, "_chunks", small_chunks)
+    engine = SearchEngine(out, EngineConfig(device="cpu", threads=1, poll_seconds=0))
+    server = RunningServer(http.create_app(engine))
+    try:
+        with httpx.Client(base_url=server.url, timeout=30) as client:
+            def fetch(path: str) -> bytes:
+                r = client.get(f"/api/items/{ids[path]}/image")
+                assert r.status_code == 200 and int(r.headers["content-length"]) == len(files[path])
+                return r.content
+
+            for limit, expect_streamed in ((small, [big]), (big - 1, [big]), (big, [])):
+                monkeypatch.setattr(http, "SMALL_FILE_BYTES", limit)
+                streamed.clear()
+                for path in ("a/small.png", "a/big.png"):
+                    assert fetch(path) == files[path]
+                assert [sum(sent) for sent in streamed] == expect_streamed  # which file took the streaming path
+                assert all(len(sent) == math.ceil(big / 1000) for sent in streamed)
+            monkeypatch.setattr(http, "SMALL_FILE_BYTES", small - 1)  # even the small one streamed
+            streamed.clear()
+            assert fetch("a/small.png") == files["a/small.png"] and len(streamed) == 1
+    finally:
+        server.stop()
+        engine.close()
