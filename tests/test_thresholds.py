@@ -642,3 +642,85 @@ def test_small_file_bytes__item_images_read_whole_or_streamed_are_the_same_bytes
     finally:
         server.stop()
         engine.close()
+
+
+# --- thresholds the issue did not list ---------------------------------------------------------------------
+
+def test_flat_max__an_update_past_it_rebuilds_as_hnsw_holding_what_a_fresh_build_holds(tmp_path, monkeypatch):
+    """FLAT_MAX crossed by an update (build.py's restructure check): auto moves Flat -> HNSW in a compaction,
+    which must hold the same ids, records, vectors and results as a fresh build of the same folder."""
+    monkeypatch.setattr(faiss_index, "FLAT_MAX", 80)
+    data = tmp_path / "images"
+    touch(data, _names(0, 60))
+    emb = SyntheticEmbedder(tmp_path / "model", d=D)
+    first = build_index_dir(_cfg(data, emb, tmp_path / "grown", index_type="auto"), embedder=emb)
+    assert first.factory == "IDMap2,Flat"
+    touch(data, [f"zz/new{i:03d}.png" for i in range(19)])  # 79 items: still under FLAT_MAX
+    below = build_index_dir(_cfg(data, emb, tmp_path / "grown", index_type="auto"), embedder=emb)
+    assert below.compacted is None and below.factory == "IDMap2,Flat"
+    touch(data, ["zz/new019.png"])  # 80: at FLAT_MAX, auto wants HNSW
+    grown = build_index_dir(_cfg(data, emb, tmp_path / "grown", index_type="auto"), embedder=emb)
+    assert grown.compacted == grown.generation and grown.factory.endswith("HNSW32")
+    fresh = build_index_dir(_cfg(data, emb, tmp_path / "fresh", index_type="auto"), embedder=emb)
+    assert fresh.factory == grown.factory and fresh.search_params == grown.search_params
+    _assert_same(_snapshot(tmp_path / "grown"), _snapshot(tmp_path / "fresh"))
+
+
+def test_recall_k__an_approximate_index_of_fewer_items_than_k(tmp_path):
+    """RECALL_K (faiss_index.py, recall@10 measured at k = min(10, n)): an HNSW or IVF index of fewer than 10
+    items must be tuned and measured over the items it has (recall 1.0), not fail on missing neighbours."""
+    for factory in ("IDMap2,HNSW32", "IVF1,Flat"):
+        for n in (1, 9, 10, 11):
+            xb, ids = _unit_rows(n, 16, seed=n), np.arange(n, dtype=np.int64) + 100
+            built = faiss_index.build_index(factory, 16, n, lambda: iter([(ids, xb)]), use_gpu=False)
+            assert built.index.ntotal == n and built.recall_at_10 == 1.0, (factory, n)
+            _, I_ = built.index.search(xb, min(n, 10))
+            assert I_[:, 0].tolist() == ids.tolist()
+
+
+def test_training_sample__ivf_trained_on_a_sample_past_10000_vectors_draws_the_same_rows(monkeypatch):
+    """The IVF training sample (faiss_index.py build_index: at most max(100 x nlist, 10,000) rows): past it,
+    the rows drawn across uneven blocks must be exactly the rows chosen, and every vector still indexed."""
+    n, d = 12_000, 8
+    xb, ids = _unit_rows(n, d, seed=9), np.arange(n, dtype=np.int64)
+    cuts = [0, 1, 4000, 4001, 9999, n]
+
+    def blocks():
+        return iter([(ids[a:b], xb[a:b]) for a, b in zip(cuts, cuts[1:])])
+
+    wanted = np.sort(np.random.default_rng(0).choice(n, size=10_000, replace=False))
+    np.testing.assert_array_equal(faiss_index._sample(blocks, n, 10_000), xb[wanted])
+    np.testing.assert_array_equal(faiss_index._sample(blocks, n, n), xb)  # at the limit: every row, in order
+    trained = _count_calls(monkeypatch, faiss.IndexIVFFlat, "train")
+    built = faiss_index.build_index("IVF4,Flat", d, n, blocks, use_gpu=False)
+    assert built.trained_on == 10_000 and len(trained) == 1
+    np.testing.assert_array_equal(np.asarray(trained[0][1]), xb[wanted])
+    assert built.index.ntotal == n and built.recall_at_10 >= 0.95
+    small = faiss_index.build_index("IVF4,Flat", d, 10_000, lambda: iter([(ids[:10_000], xb[:10_000])]),
+                                    use_gpu=False)
+    assert small.trained_on == 10_000 and small.index.ntotal == 10_000
+
+
+def test_reducing_gap__a_jpeg_is_decoded_reduced_only_past_3x_the_target(tmp_path):
+    """REDUCING_GAP (contracts/images.py, a JPEG decoded reduced by DCT scaling once its shorter side passes 3x
+    the target): at 3x the decode must equal the full one, past it keep at least 3x, and the record's size is
+    always the file's own."""
+    from PIL import Image
+
+    from moco_retrieval.contracts.images import REDUCING_GAP, decode_image
+
+    target = 16
+    gap = int(REDUCING_GAP * target)  # 48
+    rng = np.random.default_rng(3)
+    for short, expect_full in ((gap, True), (gap + 1, False), (2 * gap, False), (8 * gap + 5, False)):
+        path = tmp_path / f"img{short}.jpg"
+        size = (short, short * 3 // 2)
+        Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3)).astype(np.uint8)).save(path, quality=90)
+        full = decode_image(path)
+        reduced = decode_image(path, target_size=target)
+        assert reduced.info["source_size"] == full.info["source_size"] == size
+        assert min(reduced.size) >= gap
+        if expect_full:
+            assert reduced.size == size and np.array_equal(np.asarray(reduced), np.asarray(full))
+        elif short >= 2 * gap:
+            assert reduced.size != size  # reduced by the decoder
