@@ -111,6 +111,9 @@ def _snapshot(out: Path, xq: np.ndarray | None = None, k: int = 10) -> dict:
             "reconstructed": np.stack([d.index.reconstruct(int(i)) for i in ids]),
             "search_ids": I_, "search_scores": D_,
         }
+    np.testing.assert_array_equal(snap["block_ids"], ids)  # every live id has its stored vector, once
+    if m.block_dtype == "float32":  # Flat / HNSW / IVF-Flat: the index gives back exactly the stored vectors
+        np.testing.assert_array_equal(snap["reconstructed"], snap["block_vectors"])
     return snap
 
 
@@ -126,7 +129,7 @@ def _assert_same(a: dict, b: dict, skip: tuple[str, ...] = ()) -> None:
 
 
 def _count_calls(monkeypatch, owner, name: str) -> list:
-    """Record the calls of ``owner.name`` (the arguments' lengths where they have one)."""
+    """Record the positional arguments of every call of ``owner.name`` (which still runs)."""
     calls, original = [], getattr(owner, name)
 
     def spy(*args, **kwargs):
