@@ -727,3 +727,28 @@ def test_reducing_gap__a_jpeg_is_decoded_reduced_only_past_3x_the_target(tmp_pat
             assert reduced.size == size and np.array_equal(np.asarray(reduced), np.asarray(full))
         elif short >= 2 * gap:
             assert reduced.size != size  # reduced by the decoder
+
+
+def test_ivf_list_ratio__an_update_that_moves_nlist_past_2x_retrains_as_a_fresh_build_would(tmp_path):
+    """same_structure's nlist ratio (faiss_index.py: an IVF base keeps its lists while the wanted count stays
+    within 2x, is retrained past it): at 2x the lists are kept, past it the compaction must hold what a fresh
+    build of the folder holds (ids, records, vectors, lists)."""
+    assert faiss_index.same_structure("IVF5,Flat", "IVF10,Flat") and faiss_index.same_structure("IVF10,Flat",
+                                                                                              "IVF5,Flat")
+    assert not faiss_index.same_structure("IVF5,Flat", "IVF11,Flat")
+    assert not faiss_index.same_structure("IVF11,Flat", "IVF5,Flat")
+    data = tmp_path / "images"
+    touch(data, _names(0, 200))
+    emb = SyntheticEmbedder(tmp_path / "model", d=D)
+    first = build_index_dir(_cfg(data, emb, tmp_path / "grown", index_type="ivf", compact="never"), embedder=emb)
+    assert first.factory == "IVF5,Flat"  # 200 // 39 lists
+    touch(data, [f"zz/new{i:04d}.png" for i in range(428 - 200)])  # 428 items want 10 lists: 2x, kept
+    kept = build_index_dir(_cfg(data, emb, tmp_path / "grown", index_type="ivf", compact="never"), embedder=emb)
+    assert kept.compacted is None and kept.factory == "IVF5,Flat"
+    touch(data, ["zz/new9999.png"])  # 429 want 11: retrained
+    grown = build_index_dir(_cfg(data, emb, tmp_path / "grown", index_type="ivf", compact="never"), embedder=emb)
+    assert grown.compacted == grown.generation and grown.factory == "IVF11,Flat"
+    fresh = build_index_dir(_cfg(data, emb, tmp_path / "fresh", index_type="ivf"), embedder=emb)
+    assert fresh.factory == grown.factory
+    a, b = _snapshot(tmp_path / "grown"), _snapshot(tmp_path / "fresh")
+    _assert_same(a, b)
