@@ -240,12 +240,16 @@ def _open_regular(path: str | os.PathLike, max_bytes: int):
         raise
 
 
-def read_image_bytes(path: str | os.PathLike, max_bytes: int = MAX_FILE_BYTES) -> bytes:
+def read_image_bytes(path: str | os.PathLike, max_bytes: int | None = None) -> bytes:
     """The bytes of an image file, refusing what is not a regular file without blocking on it.
+
+    Args:
+        max_bytes: the size limit (default ``MAX_FILE_BYTES``, read at call time like ``check_image`` does).
 
     Raises:
         DataError: missing, not a regular file, empty, over ``max_bytes``, or unreadable.
     """
+    max_bytes = MAX_FILE_BYTES if max_bytes is None else max_bytes
     with _open_regular(path, max_bytes) as f:
         try:
             data = f.read(max_bytes + 1)
