@@ -38,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # packages of an optional install -> its extra (the base install indexes and serves without them)
-EXTRA_OF = {"torch": "train", "torchvision": "train", "timm": "train", "matplotlib": "train"}
+EXTRA_OF = {"torch": "train", "torchvision": "train", "timm": "train", "matplotlib": "train", "safetensors": "train"}
 
 LOUDNESS = {"-v": logging.DEBUG, "--verbose": logging.DEBUG, "-q": logging.WARNING, "--quiet": logging.WARNING}
 QUIET_LOGGERS = {

@@ -558,6 +558,8 @@ def run(t: Trainee, p: Progress, stop_at_epoch: int | None = None) -> TrainResul
                 seed_everything(_epoch_seed(cfg.seed, epoch, dist.rank()))
             stats = run_epoch(t, p, epoch, end_step)
             stopped = stats["stopped"]
+            if stopped is None and p.budget is not None and p.step < end_step and _out_of_time(t, p):
+                stopped = "time budget"  # spent at an epoch's end: this epoch's row still gets the final k-NN
             complete = p.batch_in_epoch >= t.steps_per_epoch
             if complete:
                 p.epoch, p.batch_in_epoch = epoch + 1, 0
