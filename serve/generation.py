@@ -188,6 +188,24 @@ class ServedGeneration:
         self._check_results(D, I)
         return D, I
 
+    @property
+    def can_range_search(self) -> bool:
+        """Whether :meth:`range_search` is exact here (see ``LayeredIndex.can_range_search``)."""
+        return bool(getattr(self.directory.index, "can_range_search", False))
+
+    def range_search(self, xq: np.ndarray, radius: float) -> tuple[np.ndarray, np.ndarray]:
+        """Every item scoring at least ``radius`` with the one query ``xq`` float32 ``[d]``: ``(D, I)``, best first.
+
+        Raises:
+            ArtifactError: a result no intact index can give (see :meth:`_check_results`).
+        """
+        with self._faiss_lock:
+            if self.faiss_threads is not None:
+                faiss.omp_set_num_threads(self.faiss_threads)
+            ((D, I),) = self.directory.index.range_search(np.ascontiguousarray(xq[None], dtype=np.float32), radius)
+        self._check_results(D[None], I[None])
+        return D, I
+
     def _check_results(self, D: np.ndarray, I: np.ndarray) -> None:
         """Refuse results that only damaged bytes make: a score outside [-1 - slack, 1 + slack] (or NaN) on
         normalized vectors, an id never given out. Damage inside vectors.faiss or delta.faiss otherwise came back
