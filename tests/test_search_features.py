@@ -184,3 +184,66 @@ def test_http_min_score__every_route_filters_by_score_and_refuses_out_of_range(c
         else:
             r = client.post("/api/search/ids", params={"min_score": 3}, json={"ids": [item]})
         assert r.status_code == 400 and "min_score must be a number from -1 to 1" in r.json()["error"], route
+
+
+# -- the command line ----------------------------------------------------------------------------------------
+def test_search_cli__a_folder_writes_one_csv_row_per_image_equal_to_single_searches(served_index, serve_corpus,
+                                                                                    served_engine, tmp_path, capsys):
+    import csv
+    import shutil
+
+    from moco_retrieval.app.cli import main
+
+    folder = tmp_path / "queries"
+    shutil.copytree(serve_corpus / "blue", folder / "blue")
+    (folder / "blue" / "broken.png").write_bytes(b"not an image")
+    out = tmp_path / "neighbours.csv"
+    assert main(["search", str(served_index), str(folder), "-k", "3", "--out", str(out), "--device", "cpu"]) == 0
+    assert "13 queries answered" in capsys.readouterr().out
+    with open(out, newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [Path(r["query"]).name for r in rows] == sorted(p.name for p in (folder / "blue").iterdir())
+    broken = next(r for r in rows if r["query"].endswith("broken.png"))
+    assert broken["error"] and not broken["ids"]  # one bad image is its own row, not the end of the run
+    for row in rows:
+        if row is broken:
+            continue
+        (single,) = served_engine.search([row["query"]], 3)
+        assert row["ids"] == ";".join(str(h["id"]) for h in single.hits)
+        assert row["paths"].split(";")[0] == f"blue/{Path(row['query']).name}"
+        assert [float(s) for s in row["scores"].split(";")] == pytest.approx([h["score"] for h in single.hits],
+                                                                            abs=1e-5)
+
+
+def test_classify_cli__several_images_print_jsonl_with_the_label_and_its_share(served_index, serve_corpus,
+                                                                               served_engine, capsys):
+    import json
+
+    from moco_retrieval.app.cli import main
+
+    queries = [serve_corpus / "red" / "red_002.png", serve_corpus / "green" / "green_003.png"]
+    assert main(["classify", str(served_index), *map(str, queries), "--device", "cpu"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["label"] for r in rows] == ["red", "green"]
+    for row, q in zip(rows, queries):
+        (single,) = served_engine.classify([str(q)])
+        assert len(row["neighbors"]) == served_engine.config.knn_k  # the one default k of the CLI and the API
+        assert row["share"] == pytest.approx(single.probabilities[single.label], abs=1e-5)
+
+
+def test_search_cli__min_score_and_a_bad_output_name_are_one_line(served_index, serve_corpus, served_engine,
+                                                                  tmp_path, capsys):
+    import json
+
+    from moco_retrieval.app.cli import main
+
+    query = serve_corpus / "yellow" / "yellow_005.png"
+    assert main(["search", str(served_index), str(query), "--min-score", "0.99", "--json"]) == 0
+    hits = json.loads(capsys.readouterr().out)["results"]
+    (ref,) = served_engine.search([str(query)], 48)
+    assert [h["id"] for h in hits] == [h["id"] for h in ref.hits if h["score"] >= 0.99]
+    assert main(["search", str(served_index), str(query), "--min-score", "2"]) == 2
+    assert "min_score must be a number from -1 to 1" in capsys.readouterr().err
+    assert main(["search", str(served_index), str(query), "--out", str(tmp_path / "x.txt")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "name it .csv or .jsonl" in err
