@@ -19,6 +19,8 @@ from typing import Callable
 import faiss
 import numpy as np
 
+from moco_retrieval.indexer.filters import EXACT_FILTER_MAX, depth_factor, filtered_params
+
 LOG = logging.getLogger(__name__)
 
 GPU_MAX_K = 2048  # FAISS GPU search returns at most this many neighbours (and probes at most this many lists)
@@ -146,9 +148,58 @@ class LayeredIndex:
         D, I = self.base.search(xq, max(1, deeper))
         return self._drop_removed(D, I, k)
 
-    def search(self, xq: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """``xq`` float32 ``[n, d]`` -> ``(D, I)`` float32 / int64 ``[n, k]``, best first (-1 pads)."""
+    def _filtered_part(self, part: faiss.Index, xq: np.ndarray, k: int, filt, factor: int, is_base: bool):
+        """One layer searched with the filter's selector (and the removed ids' for the base), ``factor`` deeper."""
+        ivf = faiss.try_extract_index_ivf(part)
+        params = filtered_params(self.params, factor, ivf.nlist if ivf is not None else None)
+        sel = filt.selector
+        if is_base and self._selector is not None:
+            sel = faiss.IDSelectorAnd(self._selector, filt.selector)
+        p = search_parameters(part, params, sel)
+        if p is not None:
+            D, I = part.search(xq, k, params=p)
+            del sel  # (kept alive until the search is over)
+            return D, I
+        deeper = min(int(part.ntotal), k * factor + (len(self.removed) if is_base else 0))
+        D, I = part.search(xq, max(1, deeper))  # a type that takes no selector: deeper, then filtered
+        ok = filt.allows(I)
+        if is_base and len(self.removed):
+            ok &= ~np.isin(I, self.removed)
+        return merge_results([(D, np.where(ok, I, -1))], k)
+
+    def _exact_filtered(self, xq: np.ndarray, k: int, filt) -> tuple[np.ndarray, np.ndarray] | None:
+        """The exact best ``k`` among the filter's ids, scored against their stored vectors; ``None`` when they
+        cannot be read (no blocks, no reconstruct)."""
+        ids = filt.ids()
+        if len(self.removed):
+            ids = ids[~np.isin(ids, self.removed)]
+        if not len(ids):
+            return (np.full((len(xq), k), -np.inf, dtype=np.float32), np.full((len(xq), k), -1, dtype=np.int64))
+        vectors = self.vectors
+        if vectors is not None:
+            found, xb = vectors.get(ids)
+        else:
+            found, xb = np.zeros(len(ids), dtype=bool), np.zeros((len(ids), self.d), dtype=np.float32)
+            for j, i in enumerate(ids):
+                try:
+                    xb[j] = self.reconstruct(int(i))
+                    found[j] = True
+                except RuntimeError:
+                    return None
+        ids, xb = ids[found], xb[found]
+        D = xq @ xb.T
+        return merge_results([(D.astype(np.float32), np.broadcast_to(ids, D.shape))], k)
+
+    def search(self, xq: np.ndarray, k: int, filt=None) -> tuple[np.ndarray, np.ndarray]:
+        """``xq`` float32 ``[n, d]`` -> ``(D, I)`` float32 / int64 ``[n, k]``, best first (-1 pads).
+
+        ``filt``: an :class:`indexer.filters.IdFilter`; only its ids come back. At most ``EXACT_FILTER_MAX``
+        of them are scored exactly; more are searched with the selector, the index's depth raised by the inverse
+        of the fraction kept (see :mod:`indexer.filters`).
+        """
         xq = np.ascontiguousarray(xq, dtype=np.float32)
+        if filt is not None:
+            return self._search_filtered(xq, k, filt)
         fetch = k * self.refine if self.refine > 1 else k
         parts = [self._search_base(xq, fetch)] if self.base_ntotal else []
         if self.delta is not None:
@@ -233,6 +284,25 @@ class LayeredIndex:
             order = np.argsort(-D, kind="stable")
             out.append((D[order].astype(np.float32), I[order]))
         return out
+
+    def _search_filtered(self, xq: np.ndarray, k: int, filt) -> tuple[np.ndarray, np.ndarray]:
+        kept = filt.count()
+        if kept <= EXACT_FILTER_MAX:
+            exact = self._exact_filtered(xq, k, filt)
+            if exact is not None:
+                return exact
+        factor = depth_factor(kept, self.ntotal)
+        fetch = k * self.refine if self.refine > 1 else k
+        parts = [self._filtered_part(self.base, xq, fetch, filt, factor, True)] if self.base_ntotal else []
+        if self.delta is not None:
+            parts.append(self._filtered_part(self.delta, xq, max(1, min(fetch, int(self.delta.ntotal))), filt,
+                                             factor, False))
+        if not parts:
+            return (np.full((len(xq), k), -np.inf, dtype=np.float32), np.full((len(xq), k), -1, dtype=np.int64))
+        D, I = merge_results(parts, fetch)
+        if self.refine > 1 and self.vectors is not None:
+            D, I = self._rerank(xq, I, k)
+        return merge_results([(D, I)], k)
 
     def _rerank(self, xq: np.ndarray, I: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         """Exact inner products of the candidates ``I`` with their stored vectors; the best ``k``."""

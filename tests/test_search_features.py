@@ -74,6 +74,7 @@ def test_min_score__returns_exactly_the_items_above_the_score(layered):
     rng = np.random.default_rng(0)
     picks = rng.choice(len(layered.ids), size=6, replace=False)
     xq = layered.xb[picks]
+    recall = [0, 0]  # found, wanted (IVF, IVF-PQ)
     for q in xq:
         ranked = np.sort(layered.xb @ q)[::-1]
         for rank in (5, 40, 150):  # thresholds met by a few, by more than the first k fetched, by a third
@@ -90,7 +91,13 @@ def test_min_score__returns_exactly_the_items_above_the_score(layered):
                 assert [got[i] for i in want] == pytest.approx(list(want.values()), abs=1e-5)
             elif rank <= 40:  # IVF (and IVF-PQ, re-ranked with a growing k) probe the lists their nprobe was tuned
                 # to: recall@10's target holds for the first tens above a threshold, not for a third of the corpus
-                assert len(set(got) & set(want)) >= 0.9 * len(want), (layered.kind, rank, len(got), len(want))
+                # (IVF-PQ re-ranks with float16 blocks: a score within their rounding of the threshold may fall
+                # on either side of it)
+                near = sum(1 for i in set(want) - set(got) if abs(want[i] - min_score) < 2e-3)
+                recall[0] += len(set(got) & set(want)) + near
+                recall[1] += len(want)
+    if recall[1]:  # over all queries (one query's few lists may miss more; the target is the index's average)
+        assert recall[0] >= 0.9 * recall[1], (layered.kind, recall)
 
 def test_min_score__caps_at_k_and_refuses_values_outside_minus_one_to_one(layered):
     q = layered.xb[0]
@@ -247,3 +254,80 @@ def test_search_cli__min_score_and_a_bad_output_name_are_one_line(served_index, 
     assert main(["search", str(served_index), str(query), "--out", str(tmp_path / "x.txt")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "name it .csv or .jsonl" in err
+
+
+# -- filters -------------------------------------------------------------------------------------------------
+def _exact_filtered(layered, q, keep, k):
+    scores = layered.xb @ q
+    order = [i for i in np.argsort(-scores) if keep(int(layered.ids[i]))][:k]
+    return [int(layered.ids[i]) for i in order]
+
+
+@pytest.mark.parametrize("exact_max", [None, 0])  # scored exactly (few kept), or the selector with raised depth
+def test_filters__return_only_allowed_items_and_match_exact_filtered_search(layered, exact_max, monkeypatch):
+    from moco_retrieval.indexer import searcher
+    from moco_retrieval.serve.engine import SearchFilter
+
+    if exact_max is not None:
+        monkeypatch.setattr(searcher, "EXACT_FILTER_MAX", exact_max)
+    engine = layered.engine
+    records = {r["id"]: r for r in engine._current.directory.records(layered.ids.tolist())}
+    excluded = tuple(int(i) for i in layered.ids[::7])
+    cases = [
+        (SearchFilter(labels=("c1",)), lambda r: r["label"] == "c1"),
+        (SearchFilter(labels=("c0", "c3")), lambda r: r["label"] in ("c0", "c3")),
+        (SearchFilter(path_prefix="c2/f001"), lambda r: r["path"].startswith("c2/f001")),
+        (SearchFilter(labels=("c4",), exclude=excluded), lambda r: r["label"] == "c4" and r["id"] not in excluded),
+        (SearchFilter(exclude=excluded), lambda r: r["id"] not in excluded),
+    ]
+    found = wanted = 0
+    for flt, allowed in cases:
+        for q in layered.xb[[3, 150, -2]]:
+            (res,) = engine.search_vectors(q[None], k=10, flt=flt)
+            got = [h["id"] for h in res.hits]
+            assert all(allowed(records[i]) for i in got), flt
+            want = _exact_filtered(layered, q, lambda i: allowed(records[i]), 10)
+            assert len(got) == len(want), (flt, len(got), len(want))
+            if layered.kind == "flat" or exact_max is None:
+                # exact scores (float16 blocks for IVF-PQ: ties within their rounding may swap)
+                assert len(set(got) & set(want)) >= len(want) - (1 if layered.kind == "ivfpq" else 0), flt
+            found, wanted = found + len(set(got) & set(want)), wanted + len(want)
+    assert found >= 0.9 * wanted, (layered.kind, found, wanted)  # the index's recall target, filtered
+
+
+def test_filters__neighbors_of_an_item_size_range_and_unknown_labels(layered):
+    from moco_retrieval.serve.engine import SearchFilter
+
+    engine = layered.engine
+    item = int(layered.ids[10])
+    res = engine.search_by_id(item, k=5, flt=SearchFilter(labels=("c2",)))
+    assert len(res.hits) == 5 and all(h["label"] == "c2" for h in res.hits) and item not in [h["id"] for h in res.hits]
+    assert engine.search_by_id(item, k=5, flt=SearchFilter(min_width=33)).hits == []  # every image is 32 x 32
+    assert len(engine.search_by_id(item, k=5, flt=SearchFilter(max_width=32, max_height=32)).hits) == 5
+    with pytest.raises(ConfigError, match=r"unknown label 'shoes'; the labels of this index: c0, c1, c2, c3, c4"):
+        engine.search_by_id(item, flt=SearchFilter(labels=("shoes",)))
+    with pytest.raises(ConfigError, match="min_width .* is larger than max_width"):
+        SearchFilter(min_width=10, max_width=5)
+    res = engine.search_by_id(item, k=4, min_score=0.0, flt=SearchFilter(labels=("c1",)))
+    assert all(h["label"] == "c1" and h["score"] >= 0 for h in res.hits)
+
+
+def test_filters__an_index_without_the_label_database_opens_and_refuses_label_filters_in_one_line(tmp_path,
+                                                                                                 monkeypatch):
+    from moco_retrieval.contracts.errors import ArtifactError
+    from moco_retrieval.indexer import metadata
+    from moco_retrieval.serve.engine import EngineConfig, SearchEngine, SearchFilter
+
+    data, out = tmp_path / "images", tmp_path / "index"
+    emb = _tiny_embedder(tmp_path / "model")
+    touch_files(data, _names(0, 60))
+    with monkeypatch.context() as m:  # the format before label filters: no "labels" database, no flag
+        m.setattr(metadata, "_OPTIONAL_DBS", ())
+        build_index_dir(_cfg(data, emb, out, "flat"), embedder=emb)
+    touch_files(data, _names(60, 70))
+    build_index_dir(_cfg(data, emb, out, "flat"), embedder=emb)  # an update by this code: still incomplete
+    with SearchEngine(out, EngineConfig(device="cpu", threads=1, poll_seconds=0)) as engine:
+        assert len(engine.search_by_id(0, k=3).hits) == 3
+        assert engine.search_by_id(0, k=3, flt=SearchFilter(path_prefix="c1/")).hits  # prefixes need no new data
+        with pytest.raises(ArtifactError, match=r"built before label filters; rebuild it with `moco index --rebuild`"):
+            engine.search_by_id(0, flt=SearchFilter(labels=("c1",)))
