@@ -30,7 +30,7 @@ import logging
 import mimetypes
 import os
 
-from fastapi import FastAPI, File, Query, Request, UploadFile
+from fastapi import Depends, FastAPI, File, Form, Query, Request, UploadFile
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
@@ -117,6 +117,34 @@ class ErrorBody(BaseModel):
 _ERRORS = {status: {"model": ErrorBody} for status in (400, 404, 409, 410, 413, 422)}
 K_HELP = "number of neighbours, 1 to the server's max_k (default 10; with min_score, max_k)"
 MIN_SCORE_HELP = "keep only neighbours with a cosine similarity of at least this, from -1 to 1 (all of them, up to k)"
+
+
+class FilterParams:
+    """The filter query parameters every search route takes (``label`` and ``exclude`` repeatable)."""
+
+    def __init__(self,
+                 label: list[str] | None = Query(None, description="only items with this label; repeat for several"),
+                 path_prefix: str | None = Query(None, description="only items whose relative path starts with "
+                                                 "this (a folder: `shoes/`)"),
+                 min_width: int | None = Query(None, description="only images at least this wide (pixels)"),
+                 max_width: int | None = Query(None, description="only images at most this wide (pixels)"),
+                 min_height: int | None = Query(None, description="only images at least this tall (pixels)"),
+                 max_height: int | None = Query(None, description="only images at most this tall (pixels)"),
+                 exclude: list[int] | None = Query(None, description="never these item ids; repeatable")):
+        self.values = dict(labels=tuple(label or ()), path_prefix=path_prefix, min_width=min_width,
+                           max_width=max_width, min_height=min_height, max_height=max_height,
+                           exclude=tuple(exclude or ()))
+
+    def filter(self, form_labels: list[str] | None = None):
+        """The :class:`~serve.engine.SearchFilter` (labels of the form field too), or ``None`` when empty.
+
+        Raises:
+            ConfigError: a size range that cannot hold anything, a negative size."""
+        from moco_retrieval.serve.engine import SearchFilter
+
+        values = dict(self.values, labels=self.values["labels"] + tuple(form_labels or ()))
+        flt = SearchFilter(**values)
+        return flt or None
 
 
 def _search_body(res, k: int, min_score: float | None) -> dict:
@@ -324,16 +352,21 @@ def create_app(engine: SearchEngine | str | os.PathLike, max_upload_bytes: int =
     async def search(image: list[UploadFile] = File(..., description="the query image (JPEG, PNG, WebP, ...); "
                                                     "repeat the field for a batch, answered in order"),
                      k: int | None = Query(None, description=K_HELP),
-                     min_score: float | None = Query(None, description=MIN_SCORE_HELP)):
+                     min_score: float | None = Query(None, description=MIN_SCORE_HELP),
+                     filters: FilterParams = Depends(),
+                     label: list[str] | None = Form(None, description="only items with this label (a form field, "
+                                                    "as the query parameter `label`); repeatable")):
         """The `k` indexed images most similar to the uploaded one, best first (cosine similarity); with
-        `min_score`, every one at least that similar (up to `k`). Several `image` fields: a batch, answered as
-        `responses` in request order (at most the server's max_queries)."""
+        `min_score`, every one at least that similar (up to `k`); with filters, only the items they allow.
+        Several `image` fields: a batch, answered as `responses` in request order (at most the server's
+        max_queries)."""
         k = engine.resolve_k(k, min_score)
+        flt = filters.filter(label)
         engine.check_batch(len(image), "images")
         held = sum(f.size or max_upload_bytes for f in image)
         async with uploads.hold(held):  # the bytes live until the search is done
             data = [await _read_upload(f, max_upload_bytes) for f in image]
-            results = await engine.search_async(data, k, min_score)
+            results = await engine.search_async(data, k, min_score, flt)
         if observe is not None:
             for res in results:
                 observe(res.timings)
@@ -344,10 +377,11 @@ def create_app(engine: SearchEngine | str | os.PathLike, max_upload_bytes: int =
 
     @app.post("/api/search/ids", response_model=BatchSearchResponse, responses=_ERRORS, tags=["search"])
     def search_ids(body: IdsRequest, k: int | None = Query(None, description=K_HELP),
-                   min_score: float | None = Query(None, description=MIN_SCORE_HELP)):
+                   min_score: float | None = Query(None, description=MIN_SCORE_HELP),
+                   filters: FilterParams = Depends()):
         """The neighbours of several indexed items (JSON body `{"ids": [...]}`, each item itself left out),
         answered as `responses` in the order of the ids (at most the server's max_queries)."""
-        results = engine.search_by_ids(body.ids, k, min_score)
+        results = engine.search_by_ids(body.ids, k, min_score, filters.filter())
         k = engine.resolve_k(k, min_score)
         return {"generation": results[0].generation, "k": k, "min_score": min_score,
                 "responses": [_search_body(res, k, min_score) for res in results]}
@@ -387,10 +421,11 @@ def create_app(engine: SearchEngine | str | os.PathLike, max_upload_bytes: int =
 
     @app.get("/api/items/{item_id}/neighbors", response_model=SearchResponse, responses=_ERRORS, tags=["items"])
     def neighbors(item_id: int, k: int | None = Query(None, description=K_HELP),
-                  min_score: float | None = Query(None, description=MIN_SCORE_HELP)):
+                  min_score: float | None = Query(None, description=MIN_SCORE_HELP),
+                  filters: FilterParams = Depends()):
         """The `k` items most similar to an indexed item (the item itself left out); with `min_score`, every one
-        at least that similar (up to `k`)."""
-        res = engine.search_by_id(item_id, k, min_score)
+        at least that similar (up to `k`); with filters, only the items they allow."""
+        res = engine.search_by_id(item_id, k, min_score, filters.filter())
         return _search_body(res, engine.resolve_k(k, min_score), min_score)
 
     @app.get("/api/health", response_model=Health, tags=["service"])

@@ -331,3 +331,24 @@ def test_filters__an_index_without_the_label_database_opens_and_refuses_label_fi
         assert engine.search_by_id(0, k=3, flt=SearchFilter(path_prefix="c1/")).hits  # prefixes need no new data
         with pytest.raises(ArtifactError, match=r"built before label filters; rebuild it with `moco index --rebuild`"):
             engine.search_by_id(0, flt=SearchFilter(labels=("c1",)))
+
+
+def test_http_filters__label_as_query_or_form_field_prefix_and_unknown_labels(client, serve_corpus):
+    query = serve_corpus / "green" / "green_004.png"
+    upload = {"image": (query.name, query.read_bytes(), "image/png")}
+    r = client.post("/api/search", params={"k": 8, "label": ["red", "blue"]}, files=upload)
+    assert r.status_code == 200, r.text
+    assert {h["label"] for h in r.json()["results"]} <= {"red", "blue"} and len(r.json()["results"]) == 8
+    r = client.post("/api/search", params={"k": 5}, data={"label": "yellow"}, files=upload)
+    assert r.status_code == 200 and {h["label"] for h in r.json()["results"]} == {"yellow"}
+    r = client.get("/api/items/3/neighbors", params={"k": 4, "path_prefix": "red/", "exclude": [30, 31]})
+    assert r.status_code == 200
+    hits = r.json()["results"]
+    assert len(hits) == 4 and all(h["path"].startswith("red/") and h["id"] not in (30, 31) for h in hits)
+    r = client.post("/api/search/ids", params={"label": "blue", "k": 3}, json={"ids": [0, 20]})
+    assert r.status_code == 200 and all(h["label"] == "blue" for a in r.json()["responses"] for h in a["results"])
+    r = client.post("/api/search", params={"label": "sneaker"}, files=upload)
+    assert r.status_code == 400
+    assert r.json()["error"] == "unknown label 'sneaker'; the labels of this index: blue, green, red, yellow"
+    r = client.get("/api/items/3/neighbors", params={"min_width": 50, "max_width": 10})
+    assert r.status_code == 400 and "larger than max_width" in r.json()["error"]
