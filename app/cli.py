@@ -16,7 +16,7 @@ from moco_retrieval.contracts.errors import MocoError
 
 # One module per subcommand, each with ``register(subparsers)``; add new commands here.
 COMMAND_MODULES = tuple(f"moco_retrieval.app.cmd_{name}" for name in ("train", "export", "eval", "index", "embeddings",
-                                                                   "demo", "serve"))
+                                                                   "demo", "serve", "duplicates"))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -32,6 +32,7 @@ examples:
   moco search index/ query.jpg -k 3 --json  # machine-readable
   moco search index/ query.jpg --min-score 0.9          # every image at least 0.9 similar (up to 1000)
   moco search index/ new_photos/ --out neighbours.csv   # a whole folder: one row per image (or .jsonl)
+  moco search index/ query.jpg --label sneaker --label boot --exclude 42   # only those labels, never item 42
 """
 
 EPILOG_CLASSIFY = """\
@@ -130,10 +131,11 @@ def cmd_search(args: argparse.Namespace) -> int:
     if _many(args):
         from moco_retrieval.app.query_files import SEARCH_COLUMNS, search_row
 
-        return _answer_many(args, lambda engine, chunk: engine.search(chunk, args.k, args.min_score), search_row,
-                            SEARCH_COLUMNS)
+        flt = _filter(args)
+        return _answer_many(args, lambda engine, chunk: engine.search(chunk, args.k, args.min_score, flt),
+                            search_row, SEARCH_COLUMNS)
     with SearchEngine(args.index_dir, _engine_config(args, poll_seconds=0)) as engine:
-        (res,) = engine.search(args.image, args.k, args.min_score)
+        (res,) = engine.search(args.image, args.k, args.min_score, _filter(args))
         root = engine.image_root
     if args.json:
         print(json.dumps({"generation": res.generation, "image_root": str(root), "results": res.hits}, indent=2))
@@ -182,6 +184,27 @@ def _common(p: argparse.ArgumentParser, flags: tuple[str, ...] = ENGINE_FLAGS) -
 
 
 
+def _filter(args):
+    """The SearchFilter of the filter flags, or ``None``."""
+    from moco_retrieval.serve.engine import SearchFilter
+
+    flt = SearchFilter(labels=tuple(args.label or ()), path_prefix=args.path_prefix, min_width=args.min_width,
+                       max_width=args.max_width, min_height=args.min_height, max_height=args.max_height,
+                       exclude=tuple(args.exclude or ()))
+    return flt or None
+
+
+def _filter_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("filters (only items that pass all of them)")
+    g.add_argument("--label", action="append", metavar="LABEL", help="items with this label; repeat for several")
+    g.add_argument("--path-prefix", metavar="PREFIX", help="items whose relative path starts with this (a folder: "
+                   "shoes/)")
+    for name, what in (("min-width", "at least this wide"), ("max-width", "at most this wide"),
+                       ("min-height", "at least this tall"), ("max-height", "at most this tall")):
+        g.add_argument(f"--{name}", type=int, metavar="PX", help=f"images {what} (pixels)")
+    g.add_argument("--exclude", type=int, action="append", metavar="ID", help="never this item id; repeatable")
+
+
 def _batch_output(p: argparse.ArgumentParser) -> None:
     from moco_retrieval.app.query_files import FORMATS
 
@@ -220,6 +243,7 @@ def register(sub) -> None:
                    help="every neighbour with a cosine similarity of at least this (-1 to 1), up to -k")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table (one image)")
     _batch_output(p)
+    _filter_flags(p)
     p.set_defaults(func=cmd_search)
 
     p = sub.add_parser("classify", help="predict an image's label from its labeled nearest neighbours",

@@ -33,7 +33,7 @@ from moco_retrieval.contracts.atomic import atomic_write, check_writable
 from moco_retrieval.contracts.errors import MocoError
 from moco_retrieval.contracts.filenames import display_name
 from moco_retrieval.contracts.knn import SEARCH_K
-from moco_retrieval.serve.engine import SearchEngine
+from moco_retrieval.serve.engine import DUPLICATE_THRESHOLD, SearchEngine, SearchFilter
 
 LOG = logging.getLogger(__name__)
 
@@ -50,14 +50,14 @@ DEV_ROUTES = ("/gradio_api/dev/reload",)  # Gradio's live-reload stream: for `gr
 UI_CSS = """
 #query-image img { width: 100%; height: auto; min-height: 12rem; max-height: 20rem; object-fit: contain;
                    image-rendering: pixelated; }
-#results .grid-wrap { overflow-y: visible; height: auto !important; max-height: none !important; }
-#results .grid-container { grid-template-columns: repeat(auto-fill, minmax(8rem, 1fr)) !important;
+#results .grid-wrap, #duplicates .grid-wrap { overflow-y: visible; height: auto !important; max-height: none !important; }
+#results .grid-container, #duplicates .grid-container { grid-template-columns: repeat(auto-fill, minmax(8rem, 1fr)) !important;
                            grid-template-rows: none !important; grid-auto-rows: auto !important; }
-#results .thumbnail-item { aspect-ratio: auto !important; height: auto !important; display: flex;
+#results .thumbnail-item, #duplicates .thumbnail-item { aspect-ratio: auto !important; height: auto !important; display: flex;
                            flex-direction: column; overflow: visible; }
-#results .thumbnail-item img { width: 100%; aspect-ratio: 1; height: auto; object-fit: cover;
+#results .thumbnail-item img, #duplicates .thumbnail-item img { width: 100%; aspect-ratio: 1; height: auto; object-fit: cover;
                                image-rendering: pixelated; }
-#results .caption-label { position: static !important; max-width: none !important; white-space: pre-line !important;
+#results .caption-label, #duplicates .caption-label { position: static !important; max-width: none !important; white-space: pre-line !important;
                           overflow: visible !important; text-overflow: clip !important; overflow-wrap: anywhere;
                           border: none; border-top: 1px solid var(--border-color-primary); border-radius: 0;
                           font-size: var(--text-sm); line-height: 1.35; opacity: 1 !important; }
@@ -155,11 +155,14 @@ def build_ui(engine: SearchEngine) -> gr.Blocks:
     def _min_score(value: float | None) -> float | None:
         return None if value is None or float(value) <= -1 else float(value)
 
-    def search(image: str | None, k: float, min_score: float | None = None):
+    def _filter(labels: list[str] | None) -> SearchFilter | None:
+        return SearchFilter(labels=tuple(labels)) if labels else None
+
+    def search(image: str | None, k: float, min_score: float | None = None, labels: list[str] | None = None):
         """Nearest neighbours of an uploaded image: (gallery, hits, query description, item id cleared)."""
         if not image:
             raise gr.Error("Upload, paste or take a picture first.")
-        (res,) = _call(engine.search, [image], int(k), _min_score(min_score))
+        (res,) = _call(engine.search, [image], int(k), _min_score(min_score), _filter(labels))
         items, shown = _gallery(engine, res.hits, cache_dir)
         # a new gallery: nothing selected in it, and the page no longer describes the last clicked item
         return gr.Gallery(value=items, selected_index=None), shown, _about_upload(len(shown), min_score), None
@@ -179,17 +182,28 @@ def build_ui(engine: SearchEngine) -> gr.Blocks:
             raise gr.Error("That result is no longer shown; search again.")
         return hits[evt.index]["id"]
 
-    def search_by_id(item_id: float | None, k: float, min_score: float | None = None):
+    def search_by_id(item_id: float | None, k: float, min_score: float | None = None,
+                     labels: list[str] | None = None):
         """Neighbours of an indexed item: (gallery, hits, label chart, query description)."""
         if item_id is None:
             raise gr.Error("Enter an item id, or click a search result.")
-        res = _call(engine.search_by_id, int(item_id), int(k), _min_score(min_score))
+        res = _call(engine.search_by_id, int(item_id), int(k), _min_score(min_score), _filter(labels))
         q = res.query
         about = (f"Searched from item {q['id']}: `{display_name(q['path'])}` "
                  f"(label {display_name(q.get('label')) or 'none'})")
         chart = _votes(_call(engine.classify_by_id, int(item_id), knn_k).probabilities) if engine.labels() else {}
         items, shown = _gallery(engine, res.hits, cache_dir)
         return gr.Gallery(value=items, selected_index=None), shown, chart, about
+
+    def duplicates(item_id: float | None, threshold: float):
+        """Near-duplicates of an indexed item: (gallery, summary)."""
+        if item_id is None:
+            raise gr.Error("Enter an item id, or click a search result.")
+        res = _call(engine.duplicates, int(item_id), float(threshold))
+        items, shown = _gallery(engine, res.hits, cache_dir)
+        summary = (f"{len(shown)} near-duplicates of item {res.query['id']} (`{display_name(res.query['path'])}`) "
+                   f"at a score of {float(threshold):.2f} or more")
+        return items, summary
 
     def stats():
         return stats_markdown(_call(engine.stats))
@@ -209,6 +223,9 @@ def build_ui(engine: SearchEngine) -> gr.Blocks:
                 k = gr.Slider(1, UI_MAX_K, value=SEARCH_K, step=1, label="k (neighbours)", elem_id="k")
                 min_score = gr.Slider(-1, 1, value=-1, step=0.01, elem_id="min-score",
                                       label="min score (all results at least this similar, up to k; -1: off)")
+                label_names = sorted(engine.labels())
+                labels = gr.Dropdown(label_names, value=[], multiselect=True, elem_id="label-filter",
+                                     label="only these labels (none: all)", visible=bool(label_names))
                 button = gr.Button("Search", variant="primary", elem_id="search-button")
                 label = gr.Label(num_top_classes=5, label=f"k-NN prediction ({knn_k} neighbours vote)",
                                  elem_id="prediction")
@@ -216,6 +233,13 @@ def build_ui(engine: SearchEngine) -> gr.Blocks:
                     item_id = gr.Number(value=None, label="Item id", precision=0, elem_id="item-id")
                     by_id = gr.Button("Search from id")
                 about = gr.Markdown(elem_id="about")
+                with gr.Accordion("Near-duplicates of an item", open=False, elem_id="duplicates-panel"):
+                    threshold = gr.Slider(0.5, 1.0, value=DUPLICATE_THRESHOLD, step=0.005, elem_id="dup-threshold",
+                                          label="at least this similar")
+                    dup_button = gr.Button("Find near-duplicates of the item id", elem_id="dup-button")
+                    dup_about = gr.Markdown(elem_id="dup-about")
+                    dup_gallery = gr.Gallery(label="Near-duplicates", columns=4, height="auto",
+                                             elem_id="duplicates", allow_preview=False)
                 if examples:
                     gr.Examples(examples=examples, inputs=[image], label="Examples from the index")
             with gr.Column(scale=2):
@@ -224,14 +248,16 @@ def build_ui(engine: SearchEngine) -> gr.Blocks:
                                      allow_preview=False)
         hits = gr.State([])
 
-        gr.on([button.click, image.upload], search, inputs=[image, k, min_score], outputs=[gallery, hits, about, item_id],
+        gr.on([button.click, image.upload], search, inputs=[image, k, min_score, labels], outputs=[gallery, hits, about, item_id],
               api_name="search")
         gr.on([button.click, image.upload], classify, inputs=[image], outputs=[label], api_name="classify")
         gallery.select(select_result, inputs=[hits], outputs=[item_id], api_name="select_result").then(
-            search_by_id, inputs=[item_id, k, min_score], outputs=[gallery, hits, label, about],
+            search_by_id, inputs=[item_id, k, min_score, labels], outputs=[gallery, hits, label, about],
             api_name="search_by_id_clicked", api_visibility="private")
-        by_id.click(search_by_id, inputs=[item_id, k, min_score], outputs=[gallery, hits, label, about],
+        by_id.click(search_by_id, inputs=[item_id, k, min_score, labels], outputs=[gallery, hits, label, about],
                     api_name="search_by_id")
+        dup_button.click(duplicates, inputs=[item_id, threshold], outputs=[dup_gallery, dup_about],
+                         api_name="duplicates")
         ui.load(stats, outputs=[stats_box], api_name="stats")
     ui.queue(default_concurrency_limit=8)
     return ui

@@ -53,6 +53,7 @@ LOG = logging.getLogger(__name__)
 
 MAX_K = 1000
 MAX_QUERIES = 64  # images or ids one batch request may hold: 64 of the largest uploads is 2 GiB, past the budget
+DUPLICATE_THRESHOLD = 0.95  # cosine similarity at which two images count as near-duplicates (moco duplicates too)
 THRESHOLD_FIRST_K = 100  # a min_score search first asks for this many; most thresholds are answered by it
 
 
@@ -636,6 +637,15 @@ class SearchEngine:
             results = [self._by_id(gen, int(i), k, min_score, flt, idf) for i in item_ids]
         self._count(len(results))
         return results
+
+    def duplicates(self, item_id: int, threshold: float = DUPLICATE_THRESHOLD) -> SearchResult:
+        """The near-duplicates of an indexed item: every other item scoring at least ``threshold`` with it (at
+        most ``max_k``), as ``moco duplicates`` pairs them.
+
+        Raises:
+            UnknownItemError: no live item ``item_id``. ConfigError: threshold not in [-1, 1].
+        """
+        return self.search_by_id(item_id, None, threshold)
 
     def search_async(self, images: list, k: int | None = None, min_score: float | None = None,
                      flt: SearchFilter | None = None):

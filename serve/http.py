@@ -8,6 +8,7 @@ Endpoints (all under ``/api``; the OpenAPI page is ``/docs``)::
     GET  /api/items/{id}          the item's record
     GET  /api/items/{id}/image    the item's image file
     GET  /api/items/{id}/neighbors?k=&min_score=   neighbours of an indexed item
+    GET  /api/items/{id}/duplicates?threshold=   its near-duplicates (every item at least that similar)
     GET  /api/health              liveness and the live generation
     GET  /api/stats               items, labels, model, index type, recall@10
 
@@ -40,7 +41,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from moco_retrieval.contracts.errors import DataError, MocoError, UploadTooLargeError
 from moco_retrieval.contracts.filenames import display_name
 from moco_retrieval.contracts.knn import KNN_K, KNN_TEMPERATURE
-from moco_retrieval.serve.engine import EngineConfig, SearchEngine
+from moco_retrieval.serve.engine import DUPLICATE_THRESHOLD, EngineConfig, SearchEngine
 
 LOG = logging.getLogger(__name__)
 
@@ -427,6 +428,15 @@ def create_app(engine: SearchEngine | str | os.PathLike, max_upload_bytes: int =
         at least that similar (up to `k`); with filters, only the items they allow."""
         res = engine.search_by_id(item_id, k, min_score, filters.filter())
         return _search_body(res, engine.resolve_k(k, min_score), min_score)
+
+    @app.get("/api/items/{item_id}/duplicates", responses=_ERRORS, tags=["items"])
+    def duplicates(item_id: int, threshold: float = Query(DUPLICATE_THRESHOLD, description="cosine similarity at "
+                                                          "which two images count as duplicates, -1 to 1")):
+        """The near-duplicates of an indexed item: every other item at least `threshold` similar (re-encodes,
+        crops, resizes, copies), best first; `moco duplicates` groups the whole index the same way."""
+        res = engine.duplicates(item_id, threshold)
+        return {"generation": res.generation, "threshold": threshold, "query": _public(res.query),
+                "duplicates": [_public(h) for h in res.hits]}
 
     @app.get("/api/health", response_model=Health, tags=["service"])
     def health():

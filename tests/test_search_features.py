@@ -352,3 +352,87 @@ def test_http_filters__label_as_query_or_form_field_prefix_and_unknown_labels(cl
     assert r.json()["error"] == "unknown label 'sneaker'; the labels of this index: blue, green, red, yellow"
     r = client.get("/api/items/3/neighbors", params={"min_width": 50, "max_width": 10})
     assert r.status_code == 400 and "larger than max_width" in r.json()["error"]
+
+
+# -- near-duplicates -------------------------------------------------------------------------------------------
+def _photo(rng, size: int = 64):
+    from PIL import Image
+
+    img = np.zeros((size, size, 3)) + rng.uniform(0, 255, 3)
+    for _ in range(6):
+        w, h = rng.integers(8, 40, 2)
+        x, y = rng.integers(0, size - w), rng.integers(0, size - h)
+        img[y:y + h, x:x + w] = rng.uniform(0, 255, 3)
+    img += rng.normal(0, 10, img.shape)
+    return Image.fromarray(np.clip(img, 0, 255).astype(np.uint8))
+
+
+@pytest.fixture(scope="module")
+def duplicate_index(tmp_path_factory, encoder_onnx):
+    """8 photos, each with a JPEG re-encode, a crop (resized back) and a downscaled copy, plus 4 loners."""
+    from tests._serve_helpers import build_index
+
+    root = tmp_path_factory.mktemp("dupes")
+    photos = root / "photos"
+    (photos / "set").mkdir(parents=True)
+    rng = np.random.default_rng(5)
+    groups = []
+    for i in range(8):
+        im = _photo(rng)
+        names = [f"set/p{i}.png", f"set/p{i}_q80.jpg", f"set/p{i}_crop.png", f"set/p{i}_small.png"]
+        im.save(photos / names[0])
+        im.save(photos / names[1], "JPEG", quality=80)
+        im.crop((3, 3, 61, 61)).resize((64, 64)).save(photos / names[2])
+        im.resize((48, 48)).save(photos / names[3])
+        groups.append(sorted(names))
+    for i in range(4):
+        _photo(rng).save(photos / "set" / f"alone{i}.png")
+    out = root / "index"
+    build_index(photos, encoder_onnx, out)
+    return out, sorted(groups)
+
+
+def test_duplicates_cli__groups_re_encodes_crops_and_resizes_as_json_and_csv(duplicate_index, tmp_path, capsys):
+    import csv
+    import json
+
+    from moco_retrieval.app.cli import main
+
+    index, groups = duplicate_index
+    assert main(["duplicates", str(index), "--threshold", "0.985"]) == 0
+    body = json.loads(capsys.readouterr().out)
+    assert body["threshold"] == 0.985 and len(body["groups"]) == 8
+    assert sorted(sorted(item["path"] for item in g["items"]) for g in body["groups"]) == groups
+    assert all(p[2] >= 0.985 for g in body["groups"] for p in g["pairs"])
+    out = tmp_path / "dupes.csv"
+    assert main(["duplicates", str(index), "--threshold", "0.985", "--out", str(out)]) == 0
+    assert "8 groups (32 items)" in capsys.readouterr().out
+    with open(out, newline="") as f:
+        rows = list(csv.DictReader(f))
+    by_group: dict = {}
+    for row in rows:
+        by_group.setdefault(row["group"], []).append(row["path"])
+    assert sorted(sorted(v) for v in by_group.values()) == groups
+    assert main(["duplicates", str(index), "--threshold", "1.5"]) == 2
+    assert "--threshold must be from -1 to 1" in capsys.readouterr().err
+
+
+def test_duplicates_of_an_item__are_its_group(duplicate_index):
+    from moco_retrieval.serve.engine import EngineConfig, SearchEngine
+
+    index, groups = duplicate_index
+    with SearchEngine(index, EngineConfig(device="cpu", threads=1, poll_seconds=0)) as engine:
+        for group in groups[:3]:
+            item = engine._current.directory.id_of_path(group[0])
+            res = engine.duplicates(item, 0.985)
+            assert sorted(h["path"] for h in res.hits) == group[1:] and res.query["path"] == group[0]
+
+
+def test_http_duplicates__route_and_its_threshold_check(client, served_engine):
+    r = client.get("/api/items/5/duplicates", params={"threshold": 0.99})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["query"]["id"] == 5 and all(h["score"] >= 0.99 and h["id"] != 5 for h in body["duplicates"])
+    r = client.get("/api/items/5/duplicates", params={"threshold": 2})
+    assert r.status_code == 400 and "from -1 to 1" in r.json()["error"]
+    assert client.get("/api/items/999999/duplicates").status_code == 404
