@@ -102,7 +102,7 @@ def ui_copy(engine: SearchEngine, record: dict, cache_dir: str | Path) -> Path |
 
 
 def _about_upload(shown: int, min_score: float | None) -> str:
-    above = "" if min_score is None or float(min_score) <= -1 else f" scoring at least {float(min_score):.2f}"
+    above = "" if min_score is None or float(min_score) <= -1 else f" scoring at least {float(min_score):g}"
     return f"Searched from the uploaded image: {shown} results{above}."
 
 
@@ -202,7 +202,7 @@ def build_ui(engine: SearchEngine) -> gr.Blocks:
         res = _call(engine.duplicates, int(item_id), float(threshold))
         items, shown = _gallery(engine, res.hits, cache_dir)
         summary = (f"{len(shown)} near-duplicates of item {res.query['id']} (`{display_name(res.query['path'])}`) "
-                   f"at a score of {float(threshold):.2f} or more")
+                   f"at a score of {float(threshold):g} or more")
         return items, summary
 
     def stats():
@@ -233,6 +233,12 @@ def build_ui(engine: SearchEngine) -> gr.Blocks:
                     item_id = gr.Number(value=None, label="Item id", precision=0, elem_id="item-id")
                     by_id = gr.Button("Search from id")
                 about = gr.Markdown(elem_id="about")
+                if examples:
+                    gr.Examples(examples=examples, inputs=[image], label="Examples from the index")
+            with gr.Column(scale=2):
+                # columns: UI_CSS makes them responsive (as many 8 rem columns as fit)
+                gallery = gr.Gallery(label="Nearest neighbours", columns=5, height="auto", elem_id="results",
+                                     allow_preview=False)
                 with gr.Accordion("Near-duplicates of an item", open=False, elem_id="duplicates-panel"):
                     threshold = gr.Slider(0.5, 1.0, value=DUPLICATE_THRESHOLD, step=0.005, elem_id="dup-threshold",
                                           label="at least this similar")
@@ -240,12 +246,6 @@ def build_ui(engine: SearchEngine) -> gr.Blocks:
                     dup_about = gr.Markdown(elem_id="dup-about")
                     dup_gallery = gr.Gallery(label="Near-duplicates", columns=4, height="auto",
                                              elem_id="duplicates", allow_preview=False)
-                if examples:
-                    gr.Examples(examples=examples, inputs=[image], label="Examples from the index")
-            with gr.Column(scale=2):
-                # columns: UI_CSS makes them responsive (as many 8 rem columns as fit)
-                gallery = gr.Gallery(label="Nearest neighbours", columns=5, height="auto", elem_id="results",
-                                     allow_preview=False)
         hits = gr.State([])
 
         gr.on([button.click, image.upload], search, inputs=[image, k, min_score, labels], outputs=[gallery, hits, about, item_id],

@@ -157,3 +157,44 @@ def test_browser__a_phone_sized_viewport_shows_every_result(live_server, serve_c
         finally:
             browser.close()
     _keep(shot, "narrow")
+
+
+def test_browser__label_filter_min_score_and_the_duplicates_panel(live_server, serve_corpus, tmp_path):
+    chromium = _chromium()
+    from playwright.sync_api import expect, sync_playwright
+
+    shot = tmp_path / "features.png"
+    with sync_playwright() as p:
+        browser, page = _browser(p, chromium, live_server, 1280, 900)
+        try:
+            page.goto(live_server.url + "/", wait_until="domcontentloaded")
+            expect(page.locator("#stats")).to_contain_text("48 items", timeout=30_000)
+            picker = page.locator("#label-filter input").first
+            picker.click()
+            picker.fill("yellow")
+            picker.press("Enter")
+            page.keyboard.press("Escape")
+            score = page.locator("#min-score input[type=number]")
+            score.fill("0.5")
+            score.press("Enter")
+            page.locator("#query-image input[type=file]").set_input_files(str(serve_corpus / "red" / "red_005.png"))
+            captions = page.locator("#results .caption-label")
+            expect(page.locator("#about")).to_contain_text("scoring at least 0.5", timeout=30_000)
+            expect(captions.first).to_contain_text("yellow", timeout=30_000)
+            texts = captions.all_inner_texts()
+            assert texts and all("· yellow" in t and float(t.split(" ")[0]) >= 0.5 for t in texts), texts
+            # near-duplicates of an item: the panel lists the items at least that similar
+            page.locator("#item-id input").fill("3")
+            page.locator("#duplicates-panel").get_by_text("Near-duplicates of an item").first.click()
+            dup_score = page.locator("#dup-threshold input[type=number]")
+            dup_score.fill("0.975")
+            dup_score.press("Enter")
+            page.locator("#dup-button").click()
+            expect(page.locator("#dup-about")).to_contain_text("near-duplicates of item 3", timeout=30_000)
+            expect(page.locator("#duplicates .caption-label").first).to_contain_text("id ", timeout=30_000)
+            page.mouse.move(0, 0)
+            page.wait_for_timeout(300)
+            page.screenshot(path=str(shot), full_page=True)
+        finally:
+            browser.close()
+    _keep(shot, "features")
