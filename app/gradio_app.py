@@ -1,9 +1,13 @@
 """The Gradio web UI over a :class:`~serve.engine.SearchEngine`, mounted at ``/`` of the serving FastAPI app.
 
-Drop, paste or shoot an image; get its nearest neighbours as a captioned gallery (score, label, path) and
-the k-NN label vote as a chart. Clicking a result searches from that item. Every handler has an explicit
-``api_name`` (``search``, ``classify``, ``search_by_id``, ``select_result``, ``stats``) so ``gradio_client``
-can call it; errors show as ``gr.Error`` messages in the page.
+Drop, paste or shoot an image; get its nearest neighbours as a captioned gallery (score and label, path, id:
+every line shown whole, in as many columns as the width allows) and the k-NN label vote as a chart (voted by
+``EngineConfig.knn_k`` neighbours, the CLI's and the API's default). A min-score slider, a label picker and a
+near-duplicates panel narrow or widen the answer. Clicking a result searches from that item; a new upload
+describes itself and clears the selection and the item id. Every handler has an explicit ``api_name``
+(``search``, ``classify``, ``search_by_id``, ``select_result``, ``duplicates``, ``stats``) so ``gradio_client``
+can call it (``search`` and ``search_by_id`` return the gallery as an update that also clears its selection);
+errors show as ``gr.Error`` messages in the page. ``UI_CSS`` holds the page's own styles.
 
 The UI gives Gradio no folder to serve from (no ``allowed_paths``): a gallery image or an example query is
 a copy, in Gradio's own cache, of an indexed file read through the same check as the API's
