@@ -117,8 +117,11 @@ def _answer_many(args, answer, row, columns) -> int:
     fmt = output_format(args.out, args.format)  # before the engine starts: a bad --out fails at once
     paths = expand_queries(args.image)
     with SearchEngine(args.index_dir, _engine_config(args, poll_seconds=0)) as engine:
+        from moco_retrieval.indexer.encoder import available_cores
+
+        workers = engine.config.decode_slots or available_cores()  # decodes in parallel, as the server's
         rows = (row(path, res) for path, res in answer_in_batches(paths, engine.config.max_batch,
-                                                                 lambda chunk: answer(engine, chunk)))
+                                                                 lambda chunk: answer(engine, chunk), workers))
         n = write_rows(rows, args.out, fmt, columns)
     if args.out is not None:
         print(f"{n} queries answered into {args.out}")

@@ -62,21 +62,31 @@ def output_format(out: str | None, fmt: str | None) -> str:
     return suffix
 
 
-def answer_in_batches(paths: list[str], batch: int, answer: Callable[[list[str]], list]) -> Iterator[tuple[str, object]]:
-    """``(path, answer or DataError)`` of each path, in order: ``batch`` paths per call, a failed batch again one
-    by one so that a bad image costs only its own row."""
-    for start in range(0, len(paths), batch):
-        chunk = paths[start:start + batch]
+def answer_in_batches(paths: list[str], batch: int, answer: Callable[[list[str]], list],
+                      workers: int = 1) -> Iterator[tuple[str, object]]:
+    """``(path, answer or DataError)`` of each path, in order: ``batch`` paths per call, ``workers`` calls at once
+    (each decodes its images in its own thread while the engine's batcher embeds another's), a failed batch
+    again one by one so that a bad image costs only its own row."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def run(chunk: list[str]) -> list[tuple[str, object]]:
         try:
-            yield from zip(chunk, answer(chunk))
+            return list(zip(chunk, answer(chunk)))
         except DataError:
+            out = []
             for path in chunk:
                 try:
                     (res,) = answer([path])
                 except DataError as exc:
                     LOG.warning("%s: %s", path, exc)
                     res = exc
-                yield path, res
+                out.append((path, res))
+            return out
+
+    chunks = [paths[start:start + batch] for start in range(0, len(paths), batch)]
+    with ThreadPoolExecutor(max(1, workers), thread_name_prefix="moco-queries") as pool:
+        for rows in pool.map(run, chunks):  # in order, whatever order they finish in
+            yield from rows
 
 
 def _hits(hits: list[dict]) -> list[dict]:

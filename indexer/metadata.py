@@ -580,14 +580,14 @@ class MetadataStore:
         """Sorted int64 ids of the live items whose relative path starts with ``prefix``: a range scan of the
         ``paths`` database (plus the few paths too long to be keys, keyed by their hash)."""
         raw = encode_name(prefix)
+        if not raw:
+            raise ValueError("an empty path prefix selects everything; pass no prefix instead")
         with self._read() as view:
-            ids = [_load(v) for k, v in view.prefixed("paths", raw)] if raw else []
+            ids = [_load(v) for _, v in view.prefixed("paths", raw)]
             for _, value in view.prefixed("paths", b"\0"):  # long paths: the record has the path
                 item_id = _load(value)
                 if _load(view.get("items", id_key(item_id)))["path"].startswith(prefix):
                     ids.append(item_id)
-            if not raw:
-                ids = [_load(v) for _, v in view.items("paths")]
         return np.unique(np.asarray(ids, dtype=np.int64))
 
     @_reads

@@ -156,10 +156,8 @@ class LayeredIndex:
         if is_base and self._selector is not None:
             sel = faiss.IDSelectorAnd(self._selector, filt.selector)
         p = search_parameters(part, params, sel)
-        if p is not None:
-            D, I = part.search(xq, k, params=p)
-            del sel  # (kept alive until the search is over)
-            return D, I
+        if p is not None:  # (``sel`` stays referenced here until the search is over: FAISS does not own it)
+            return part.search(xq, k, params=p)
         deeper = min(int(part.ntotal), k * factor + (len(self.removed) if is_base else 0))
         D, I = part.search(xq, max(1, deeper))  # a type that takes no selector: deeper, then filtered
         ok = filt.allows(I)
