@@ -15,8 +15,8 @@ import sys
 from moco_retrieval.contracts.errors import ConfigError, MocoError
 
 # One module per subcommand, each with ``register(subparsers)``; add new commands here.
-COMMAND_MODULES = tuple(f"moco_retrieval.app.cmd_{name}" for name in ("train", "export", "eval", "index", "embed", "embeddings",
-                                                                   "demo", "serve"))
+COMMAND_MODULES = tuple(f"moco_retrieval.app.cmd_{name}" for name in ("train", "export", "eval", "index", "embed",
+                                                                   "embeddings", "demo", "serve", "duplicates"))
 
 
 def build_parser() -> argparse.ArgumentParser:
