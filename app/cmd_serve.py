@@ -137,11 +137,13 @@ def cmd_search(args: argparse.Namespace) -> int:
         flt = _filter(args)
         return _answer_many(args, lambda engine, chunk: engine.search(chunk, args.k, args.min_score, flt),
                             search_row, SEARCH_COLUMNS)
+    from moco_retrieval.serve.answers import search_answer
+
     with SearchEngine(args.index_dir, _engine_config(args, poll_seconds=0)) as engine:
         (res,) = engine.search(args.image, args.k, args.min_score, _filter(args))
-        root = engine.image_root
-    if args.json:
-        print(json.dumps({"generation": res.generation, "image_root": str(root), "results": res.hits}, indent=2))
+        root, k = engine.image_root, engine.resolve_k(args.k, args.min_score)
+    if args.json:  # the HTTP answer's schema, and where the paths are
+        print(json.dumps({**search_answer(res, k, args.min_score), "image_root": str(root)}, indent=2))
         return 0
     from moco_retrieval.contracts.filenames import display_name
 
@@ -161,10 +163,13 @@ def cmd_classify(args: argparse.Namespace) -> int:
 
         return _answer_many(args, lambda engine, chunk: engine.classify(chunk, args.k, args.temperature),
                             classify_row, CLASSIFY_COLUMNS)
+    from moco_retrieval.serve.answers import classify_answer
+
     with SearchEngine(args.index_dir, _engine_config(args, poll_seconds=0)) as engine:
         (res,) = engine.classify(args.image, args.k, args.temperature)
-    if args.json:
-        print(json.dumps(res.to_dict(), indent=2))
+        k = engine.config.knn_k if args.k is None else args.k
+    if args.json:  # the HTTP answer's schema
+        print(json.dumps(classify_answer(res, k, args.temperature), indent=2))
         return 0
     if res.label is None:
         print(f"no labeled item among the {len(res.neighbors)} nearest neighbours of {args.image[0]}")

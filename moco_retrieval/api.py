@@ -1,7 +1,8 @@
 """The Python API: the few objects a program needs, re-exported from ``moco_retrieval`` (see docs/API.md).
 
     Encoder.open(path).embed(images)             images -> L2-normalized float32 [N, D] embeddings
-    Index.open(index_dir).search(queries, k)      images or vectors -> their nearest indexed items
+    Index.open(index_dir).search(queries, k)      images or vectors -> their nearest indexed items (min_score,
+                                                  labels, path_prefix, exclude: thresholds and filters)
     Index.open(index_dir).classify(images, k)     k-NN label votes
     build_index(image_dir, model, out, ...)       ``moco index`` (new index or incremental update)
     train(TrainConfig(data_dir=..., out_dir=...)) ``moco train``
@@ -89,26 +90,49 @@ class Index:
                               poll_seconds=1.0 if follow_updates else 0)
         return cls(SearchEngine(index_dir, config))
 
-    def search(self, queries, k: int = 10) -> list[list[dict]]:
-        """The ``k`` nearest items of each query: a float32 ``[n, D]`` array of L2-normalized vectors, or a
-        sequence of images (file paths, encoded bytes, PIL images). One list of records per query, in order.
+    def search(self, queries, k: int | None = None, min_score: float | None = None, labels: Sequence[str] = (),
+               path_prefix: str | None = None, exclude: Sequence[int] = ()) -> list[list[dict]]:
+        """The nearest items of each query: a float32 ``[n, D]`` array of L2-normalized vectors, or a sequence of
+        images (file paths, encoded bytes, PIL images). One list of records (with ``score``) per query, in order.
+
+        Args:
+            k: how many (default 10; with ``min_score``, at most this many, default 1,000).
+            min_score: every item at least this similar (cosine, in [-1, 1]) instead of a fixed k.
+            labels, path_prefix, exclude: only items with one of these labels, whose relative path starts with
+                ``path_prefix`` (a folder: ``"shoes/"``), never these ids.
 
         Raises:
-            DataError: an image that does not decode, or vectors of another dimension. ConfigError: bad k.
+            DataError: an image that does not decode, or vectors of another dimension. ConfigError: bad k or
+            min_score, a label the index does not have.
         """
+        flt = self._filter(labels, path_prefix, exclude)
         if isinstance(queries, np.ndarray):
-            results = self._engine.search_vectors(queries, k)
+            results = self._engine.search_vectors(queries, k, min_score, flt)
         else:
-            results = self._engine.search(list(queries), k)
+            results = self._engine.search(list(queries), k, min_score, flt)
         return [res.hits for res in results]
 
-    def neighbours(self, item_id: int, k: int = 10) -> list[dict]:
-        """The ``k`` items nearest to the indexed item ``item_id`` (itself left out)."""
-        return self._engine.search_by_id(item_id, k).hits
+    def neighbours(self, item_id: int, k: int | None = None, min_score: float | None = None,
+                   labels: Sequence[str] = (), path_prefix: str | None = None,
+                   exclude: Sequence[int] = ()) -> list[dict]:
+        """The items nearest to the indexed item ``item_id`` (itself left out); options as :meth:`search`."""
+        return self._engine.search_by_id(item_id, k, min_score, self._filter(labels, path_prefix, exclude)).hits
+
+    def duplicates(self, item_id: int, threshold: float = 0.95) -> list[dict]:
+        """The near-duplicates of item ``item_id``: every item at least ``threshold`` similar (re-encodes, crops,
+        resizes of one photo; ``moco duplicates`` groups a whole index)."""
+        return self._engine.duplicates(item_id, threshold).hits
 
     def classify(self, images: Iterable, k: int = 20) -> list[tuple[str | None, dict[str, float]]]:
         """``(label, {label: probability})`` of each image, by a vote of its ``k`` nearest labeled items."""
         return [(res.label, res.probabilities) for res in self._engine.classify(list(images), k)]
+
+    @staticmethod
+    def _filter(labels, path_prefix, exclude):
+        from moco_retrieval.serve.search_filter import SearchFilter
+
+        flt = SearchFilter(labels=tuple(labels), path_prefix=path_prefix, exclude=tuple(int(i) for i in exclude))
+        return flt or None
 
     def item(self, item_id: int) -> dict:
         """The record of item ``item_id``. Raises UnknownItemError."""

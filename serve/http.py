@@ -41,6 +41,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from moco_retrieval.contracts.errors import DataError, MocoError, UploadTooLargeError
 from moco_retrieval.contracts.filenames import display_name
 from moco_retrieval.contracts.knn import KNN_K, KNN_TEMPERATURE
+from moco_retrieval.serve.answers import classify_answer, public_record, search_answer
 from moco_retrieval.serve.engine import DUPLICATE_THRESHOLD, EngineConfig, SearchEngine
 
 LOG = logging.getLogger(__name__)
@@ -146,20 +147,6 @@ class FilterParams:
         values = dict(self.values, labels=self.values["labels"] + tuple(form_labels or ()))
         flt = SearchFilter(**values)
         return flt or None
-
-
-def _search_body(res, k: int, min_score: float | None) -> dict:
-    body = {"generation": res.generation, "k": k, "min_score": min_score, "results": [_public(h) for h in res.hits],
-            "timings": res.timings, "batch_size": res.batch_size}
-    if res.query is not None:
-        body["query"] = _public(res.query)
-    return body
-
-
-def _public(record: dict) -> dict:
-    """A record as the API shows it: names readable (valid Unicode, one line) and the URL of its image."""
-    return dict(record, path=display_name(record["path"]), label=display_name(record.get("label")),
-                image_url=f"/api/items/{record['id']}/image")
 
 
 def _too_large_message(limit: int) -> str:
@@ -372,9 +359,9 @@ def create_app(engine: SearchEngine | str | os.PathLike, max_upload_bytes: int =
             for res in results:
                 observe(res.timings)
         if len(results) == 1:
-            return _search_body(results[0], k, min_score)
+            return search_answer(results[0], k, min_score)
         return {"generation": results[0].generation, "k": k, "min_score": min_score,
-                "responses": [_search_body(res, k, min_score) for res in results]}
+                "responses": [search_answer(res, k, min_score) for res in results]}
 
     @app.post("/api/search/ids", response_model=BatchSearchResponse, responses=_ERRORS, tags=["search"])
     def search_ids(body: IdsRequest, k: int | None = Query(None, description=K_HELP),
@@ -385,7 +372,7 @@ def create_app(engine: SearchEngine | str | os.PathLike, max_upload_bytes: int =
         results = engine.search_by_ids(body.ids, k, min_score, filters.filter())
         k = engine.resolve_k(k, min_score)
         return {"generation": results[0].generation, "k": k, "min_score": min_score,
-                "responses": [_search_body(res, k, min_score) for res in results]}
+                "responses": [search_answer(res, k, min_score) for res in results]}
 
     @app.post("/api/classify", response_model=ClassifyResponse, responses=_ERRORS, tags=["search"])
     async def classify(image: UploadFile = File(..., description="the image to classify"),
@@ -399,14 +386,12 @@ def create_app(engine: SearchEngine | str | os.PathLike, max_upload_bytes: int =
             (res,) = await engine.classify_async([data], k, temperature)
         if observe is not None:
             observe(res.timings)
-        return {"generation": res.generation, "k": k, "temperature": temperature, "label": display_name(res.label),
-                "probabilities": {display_name(label): p for label, p in res.probabilities.items()},
-                "neighbors": [_public(h) for h in res.neighbors], "timings": res.timings}
+        return classify_answer(res, k, temperature)
 
     @app.get("/api/items/{item_id}", response_model=Item, responses=_ERRORS, tags=["items"])
     def item(item_id: int):
         """An indexed item's record: relative path, label, size, sha256, duplicate_of."""
-        return _public(engine.item(item_id))
+        return public_record(engine.item(item_id), extra=("mtime",))
 
     @app.get("/api/items/{item_id}/image", responses=_ERRORS, response_class=Response, tags=["items"])
     def item_image(item_id: int):
@@ -427,7 +412,7 @@ def create_app(engine: SearchEngine | str | os.PathLike, max_upload_bytes: int =
         """The `k` items most similar to an indexed item (the item itself left out); with `min_score`, every one
         at least that similar (up to `k`); with filters, only the items they allow."""
         res = engine.search_by_id(item_id, k, min_score, filters.filter())
-        return _search_body(res, engine.resolve_k(k, min_score), min_score)
+        return search_answer(res, engine.resolve_k(k, min_score), min_score)
 
     @app.get("/api/items/{item_id}/duplicates", responses=_ERRORS, tags=["items"])
     def duplicates(item_id: int, threshold: float = Query(DUPLICATE_THRESHOLD, description="cosine similarity at "
@@ -435,8 +420,8 @@ def create_app(engine: SearchEngine | str | os.PathLike, max_upload_bytes: int =
         """The near-duplicates of an indexed item: every other item at least `threshold` similar (re-encodes,
         crops, resizes, copies), best first; `moco duplicates` groups the whole index the same way."""
         res = engine.duplicates(item_id, threshold)
-        return {"generation": res.generation, "threshold": threshold, "query": _public(res.query),
-                "duplicates": [_public(h) for h in res.hits]}
+        return {"generation": res.generation, "threshold": threshold, "query": public_record(res.query),
+                "duplicates": [public_record(h) for h in res.hits]}
 
     @app.get("/api/health", response_model=Health, tags=["service"])
     def health():

@@ -2,7 +2,9 @@
 IVF-PQ), checked against exact brute force; and the HTTP API's batch and min_score routes and errors."""
 from __future__ import annotations
 
+
 import hashlib
+import os
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -49,11 +51,11 @@ def layered(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp(f"threshold_{request.param}")
     data, out = tmp / "images", tmp / "index"
     emb = _tiny_embedder(tmp / "model")
-    touch_files(data, _names(0, BASE))
+    _touch_at_fixed_times(data, _names(0, BASE))
     build_index_dir(_cfg(data, emb, out, request.param), embedder=emb)
     for name in _names(0, BASE)[::BASE // REMOVED][:REMOVED]:
         (data / name).unlink()
-    touch_files(data, _names(BASE, BASE + ADDED))
+    _touch_at_fixed_times(data, _names(BASE, BASE + ADDED))
     result = build_index_dir(_cfg(data, emb, out, request.param), embedder=emb)
     assert result.mode == "update" and (result.added, result.removed) == (ADDED, REMOVED)
     with IndexDirectory.open(out) as d:
@@ -63,6 +65,16 @@ def layered(request, tmp_path_factory):
     engine = SearchEngine(out, EngineConfig(device="cpu", threads=1, poll_seconds=0))
     yield SimpleNamespace(engine=engine, ids=ids, xb=xb, kind=request.param)
     engine.close()
+
+
+def _touch_at_fixed_times(root, names) -> None:
+    """The files with mtimes fixed by name: the synthetic vectors (seeded by path and mtime) are then the same on
+    every run. (Over random draws the IVF-PQ threshold recall below ranged 0.83-1.0: its nprobe is tuned for
+    recall@10, not raised for a threshold search.)"""
+    touch_files(root, names)
+    for name in names:
+        ns = 1_700_000_000_000_000_000 + int(name.split("/f")[1].split(".")[0])
+        os.utime(root / name, ns=(ns, ns))
 
 
 def _exact_above(xb: np.ndarray, ids: np.ndarray, q: np.ndarray, min_score: float) -> dict[int, float]:

@@ -163,3 +163,24 @@ def test_upload_budget__requests_past_the_bytes_in_flight_wait_for_others():
     assert order.index("b+") > order.index("a-")  # b waited until a let go of its 60 bytes
     assert order.index("c+") < order.index("a-")  # c fitted beside a
     assert order[-2:] == ["big+", "big-"]
+
+
+def test_search_and_classify__the_cli_json_has_the_http_answers_schema(client, served_index, serve_corpus, capsys):
+    import json
+
+    from moco_retrieval.app.cli import main
+
+    query = serve_corpus / "green" / "green_003.png"
+    over_http = client.post("/api/search", params={"k": 4}, files=_upload(query)).json()
+    assert main(["search", str(served_index), str(query), "-k", "4", "--json", "--device", "cpu"]) == 0
+    on_cli = json.loads(capsys.readouterr().out)
+    assert set(on_cli) - set(over_http) == {"image_root"} and not set(over_http) - set(on_cli) - {"query"}
+    for cli_hit, http_hit in zip(on_cli["results"], over_http["results"], strict=True):
+        assert set(cli_hit) == set(http_hit) and cli_hit["id"] == http_hit["id"]
+        assert cli_hit["image_url"] == http_hit["image_url"] and cli_hit["score"] == pytest.approx(http_hit["score"],
+                                                                                                  abs=1e-5)
+    voted = client.post("/api/classify", files=_upload(query)).json()
+    assert main(["classify", str(served_index), str(query), "--json", "--device", "cpu"]) == 0
+    on_cli = json.loads(capsys.readouterr().out)
+    assert set(on_cli) == set(voted) and on_cli["label"] == voted["label"] and on_cli["k"] == voted["k"]
+    assert [set(h) for h in on_cli["neighbors"]] == [set(h) for h in voted["neighbors"]]
