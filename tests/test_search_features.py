@@ -2,7 +2,6 @@
 IVF-PQ), checked against exact brute force; and the HTTP API's batch and min_score routes and errors."""
 from __future__ import annotations
 
-
 import hashlib
 import os
 from pathlib import Path
