@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 
 from moco_retrieval.contracts.errors import ConfigError, MocoError
@@ -85,6 +86,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"moco: error: `moco {args.command}` needs {exc.name}, which this install lacks: "
               f"pip install 'moco-retrieval[{extra}]'", file=sys.stderr)
         return ConfigError.exit_code
+    except BrokenPipeError:  # `moco search ... | head`: the reader left; no traceback, as a SIGPIPE'd tool
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's own flush at exit fails too
+        return 128 + 13
     except KeyboardInterrupt:
         print("moco: interrupted; completed work is saved, rerun the same command to continue", file=sys.stderr)
         return 130

@@ -126,3 +126,12 @@ def test_cli__without_the_train_extra_search_works_and_train_says_what_to_instal
         assert refused.returncode == 2 and refused.stderr.strip() == (
             f"moco: error: `moco {command[0]}` needs torch, which this install lacks: "
             "pip install 'moco-retrieval[train]'")
+
+
+def test_cli__a_reader_that_leaves_early_gets_no_traceback(served_index, serve_corpus):
+    query = str(next(serve_corpus.rglob("*.png")))
+    gone = ("import os, sys\nr, w = os.pipe()\nos.close(r)\nos.dup2(w, 1)  # stdout: a pipe nobody reads (`| head`)\n"
+            "from moco_retrieval.app.cli import main\nsys.exit(main(sys.argv[1:]))")
+    proc = subprocess.run([sys.executable, "-c", gone, "search", str(served_index), query, "--device", "cpu", "-q"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 141 and proc.stderr == ""
