@@ -38,8 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# packages of an optional install -> its extra (the base install indexes and serves without them)
-EXTRA_OF = {"torch": "train", "torchvision": "train", "timm": "train", "matplotlib": "train", "safetensors": "train"}
+# packages of an optional install -> what to install (pyproject.toml's extras)
+_TRAIN, _RUNTIME = "'moco-retrieval[train]'", "'moco-retrieval[cpu]' (or '[gpu]' on a machine with a GPU)"
+INSTALL_FOR = {"torch": _TRAIN, "torchvision": _TRAIN, "timm": _TRAIN, "matplotlib": _TRAIN, "safetensors": _TRAIN,
+               "faiss": _RUNTIME, "onnxruntime": _RUNTIME}
 
 LOUDNESS = {"-v": logging.DEBUG, "--verbose": logging.DEBUG, "-q": logging.WARNING, "--quiet": logging.WARNING}
 QUIET_LOGGERS = {
@@ -80,11 +82,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"moco: error: {exc}", file=sys.stderr)
         return exc.exit_code
     except ModuleNotFoundError as exc:
-        extra = EXTRA_OF.get((exc.name or "").split(".")[0])
-        if extra is None:
+        install = INSTALL_FOR.get((exc.name or "").split(".")[0])
+        if install is None:
             raise
-        print(f"moco: error: `moco {args.command}` needs {exc.name}, which this install lacks: "
-              f"pip install 'moco-retrieval[{extra}]'", file=sys.stderr)
+        print(f"moco: error: `moco {args.command}` needs {exc.name}, which this install lacks: pip install {install}",
+              file=sys.stderr)
         return ConfigError.exit_code
     except BrokenPipeError:  # `moco search ... | head`: the reader left; no traceback, as a SIGPIPE'd tool
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's own flush at exit fails too

@@ -52,7 +52,7 @@ SERVE_FLAGS = ENGINE_FLAGS + ("poll_seconds", "faiss_gpu", "knn_k", "max_queries
 
 def _engine_config(args, **fixed):
     from moco_retrieval.contracts.options import from_arguments
-    from moco_retrieval.serve.engine import EngineConfig
+    from moco_retrieval.serve.config import EngineConfig
 
     return from_arguments(EngineConfig, args, **fixed)
 
@@ -184,7 +184,7 @@ def cmd_classify(args: argparse.Namespace) -> int:
 
 def _common(p: argparse.ArgumentParser, flags: tuple[str, ...] = ENGINE_FLAGS) -> None:
     from moco_retrieval.contracts.options import add_arguments
-    from moco_retrieval.serve.engine import EngineConfig
+    from moco_retrieval.serve.config import EngineConfig
 
     p.add_argument("index_dir", metavar="INDEX_DIR", help="an index directory written by `moco index`")
     add_arguments(p, EngineConfig, only=flags)
@@ -194,7 +194,7 @@ def _common(p: argparse.ArgumentParser, flags: tuple[str, ...] = ENGINE_FLAGS) -
 
 def _filter(args):
     """The SearchFilter of the filter flags, or ``None``."""
-    from moco_retrieval.serve.engine import SearchFilter
+    from moco_retrieval.serve.search_filter import SearchFilter
 
     flt = SearchFilter(labels=tuple(args.label or ()), path_prefix=args.path_prefix, min_width=args.min_width,
                        max_width=args.max_width, min_height=args.min_height, max_height=args.max_height,

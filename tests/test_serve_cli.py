@@ -135,3 +135,12 @@ def test_cli__a_reader_that_leaves_early_gets_no_traceback(served_index, serve_c
     proc = subprocess.run([sys.executable, "-c", gone, "search", str(served_index), query, "--device", "cpu", "-q"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 141 and proc.stderr == ""
+
+
+def test_cli__without_faiss_and_onnxruntime_says_to_choose_cpu_or_gpu(served_index, serve_corpus):
+    absent = _WITHOUT_TORCH.replace('("torch", "torchvision", "timm", "matplotlib")', '("faiss", "onnxruntime")')
+    query = str(next(serve_corpus.rglob("*.png")))
+    proc = subprocess.run([sys.executable, "-c", absent, "search", str(served_index), query], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.strip().endswith(
+        "which this install lacks: pip install 'moco-retrieval[cpu]' (or '[gpu]' on a machine with a GPU)")
