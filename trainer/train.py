@@ -22,7 +22,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from moco_retrieval.contracts.atomic import check_writable, link_or_copy_atomic, write_text_atomic
+from moco_retrieval.contracts.atomic import check_writable, link_or_copy_atomic, output_errors, write_text_atomic
 from moco_retrieval.contracts.errors import ConfigError, DataError
 from moco_retrieval.contracts.images import no_images_message, walk_image_files
 from moco_retrieval.trainer import dist
@@ -47,6 +47,7 @@ from moco_retrieval.trainer.recipes import (
     resolve_before_training,
     resolve_schedule,
 )
+from moco_retrieval.trainer.run_dir import RunDirLock
 from moco_retrieval.trainer.schedule import Schedule, TimeBudget
 from moco_retrieval.trainer.variants import Variant, variant_for
 
@@ -168,7 +169,7 @@ def _must_match_diffs(cfg: TrainConfig, saved: dict) -> list[str]:
 
 
 def _append_jsonl(path: Path, row: dict) -> None:
-    with open(path, "a") as f:
+    with output_errors(path, "free some space or choose another --out"), open(path, "a") as f:
         f.write(json.dumps(row) + "\n")
 
 
@@ -276,9 +277,11 @@ def _plan(cfg: TrainConfig, variant: Variant, ckpt: dict | None, steps_per_epoch
     return cfg, _schedule(cfg, variant, total, steps_per_epoch), budget
 
 
-def setup(cfg: TrainConfig, device: torch.device, resume: str | Path | None = None) -> tuple[Trainee, Progress]:
+def setup(cfg: TrainConfig, device: torch.device, resume: str | Path | None = None,
+          lock: RunDirLock | None = None) -> tuple[Trainee, Progress]:
     """Validate, scan and cache the data, resolve the recipe, build (or resume) the model, optimizer and loader,
-    and plan the run: ``(what is fixed for the run, where it stands)``.
+    and plan the run: ``(what is fixed for the run, where it stands)``. ``lock`` (held by :func:`train`) is
+    taken once the run directory exists, before anything is written there.
 
     Raises:
         ConfigError, DataError, OutputError, ArtifactError: before anything is written to the run directory.
@@ -309,6 +312,8 @@ def setup(cfg: TrainConfig, device: torch.device, resume: str | Path | None = No
                              batch_size=max(64, per_process_batch), cache_root=cfg.cache_dir, workers=cfg.workers)
     if is_main:
         check_writable(run_dir, "run directory", "choose a writable --out")
+        if lock is not None:
+            lock.acquire()
     dist.barrier()
 
     model, ddp_model, optimizer, bn_splits = _build_model(cfg, variant, device, ckpt)
@@ -611,6 +616,8 @@ def train(cfg: TrainConfig, resume: str | Path | None = None, stop_at_epoch: int
     device = resolve_device(cfg.device, info.local_rank)
     dist.init(device)
     try:
-        return run(*setup(cfg, device, resume), stop_at_epoch)
+        with RunDirLock(cfg.out_dir) as lock:
+            lock.acquire_if_present()
+            return run(*setup(cfg, device, resume, lock), stop_at_epoch)
     finally:
         dist.cleanup()

@@ -1,0 +1,216 @@
+"""Training faults (issue 18): a second ``moco train`` on one run directory, temporary files a killed
+checkpoint write left, and full disks while writing a checkpoint or an export. Each is one line with its exit
+code, and the run directory keeps what was done: the identical command resumes."""
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from moco_retrieval.app.cli import main
+from moco_retrieval.contracts import atomic
+from moco_retrieval.contracts.errors import ArtifactError, OutputError
+from moco_retrieval.contracts.locks import directory_lock
+from moco_retrieval.trainer.checkpoint import load_checkpoint, save_atomic, write_random_init_checkpoint
+from moco_retrieval.trainer.demo_data import write_demo_dataset
+from moco_retrieval.trainer.run_dir import RunDirLock
+from tests.conftest import tiny_train_config
+from tests.test_index_damage import _unshare_prefix, check_one_line
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def small_dir(tmp_path_factory) -> Path:
+    """16 images: 2 steps an epoch at batch 8."""
+    return write_demo_dataset(tmp_path_factory.mktemp("small") / "data", per_class=4, size=32,
+                              classes=("circle", "square", "star", "ring"))
+
+
+def _argv(data: Path, out: Path, epochs: int) -> list[str]:
+    return ["train", str(data), "--out", str(out), "--arch", "resnet18", "--stem", "imagenet", "--image-size", "32",
+            "--batch-size", "8", "--queue-size", "8", "--epochs", str(epochs), "--workers", "0", "--device", "cpu",
+            "--knn-every", "0", "--log-every", "1", "--no-amp"]
+
+
+def _temp_files(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.name.endswith(".tmp"))
+
+
+# -- one writer per run directory -----------------------------------------------------------------------------
+def test_train__a_second_process_on_the_same_out_is_refused_in_one_line(small_dir, tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()  # a rerun's directory: the first process locks it before it scans
+    argv = [sys.executable, "-m", "moco_retrieval"] + _argv(small_dir, run, 1000)
+    first = subprocess.Popen(argv, cwd=REPO, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        for line in first.stderr:  # the cache's line comes after the lock is taken
+            if "image cache" in line:
+                break
+        else:
+            pytest.fail(f"the first run ended with {first.wait()}")
+        second = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=300)
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+    assert second.returncode == 4, second.stderr[-2000:]
+    assert second.stderr.strip() == f"moco: error: another `moco train` is writing {run}; wait for it to finish"
+
+
+def test_train__refused_while_another_holds_the_lock_and_writes_nothing(small_dir, tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    with directory_lock(run, "moco train"):
+        assert main(_argv(small_dir, run, 1)) == 4
+    assert "another `moco train` is writing" in capsys.readouterr().err
+    assert sorted(p.name for p in run.iterdir()) == [".lock"]
+
+
+def test_run_dir_lock__is_taken_once_and_released_at_the_end(tmp_path):
+    with RunDirLock(tmp_path) as lock:
+        lock.acquire()
+        lock.acquire()  # held: nothing to do
+        with pytest.raises(ArtifactError, match="another `moco train` is writing"):
+            with directory_lock(tmp_path, "moco train"):
+                pass
+    with directory_lock(tmp_path, "moco train"):  # released
+        pass
+
+
+# -- temporary files of killed writes ---------------------------------------------------------------------------
+def test_run_dir_lock__removes_the_temporary_files_killed_writes_left_and_only_those(tmp_path, caplog):
+    (tmp_path / "checkpoint_last.pt").write_bytes(b"the intact checkpoint")
+    fd, name = tempfile.mkstemp(dir=tmp_path, prefix=".checkpoint_last.pt.", suffix=".tmp")  # as atomic_path
+    os.close(fd)
+    stale = [Path(name)]
+    stale[0].write_bytes(b"x" * 100_000)
+    stale += [tmp_path / ".checkpoint_0003.pt.a1b2c3d4.tmp", tmp_path / ".metrics.png.zz_9yy8x.tmp",
+              tmp_path / ".config.json.abcdefgh.tmp"]
+    for path in stale[1:]:
+        path.write_bytes(b"x")
+    others = [tmp_path / ".encoder.onnx.abcdefgh.tmp",  # an export writing into the run directory meanwhile
+              tmp_path / "notes.tmp", tmp_path / ".checkpoint_last.pt.short.tmp"]
+    for path in others:
+        path.write_bytes(b"y")
+    with caplog.at_level("WARNING"), RunDirLock(tmp_path) as lock:
+        lock.acquire()
+    assert not any(p.exists() for p in stale)
+    assert all(p.exists() for p in others) and (tmp_path / "checkpoint_last.pt").read_bytes() == b"the intact checkpoint"
+    assert "removed 4 temporary files (0.1 MB) that a killed run left" in caplog.text
+
+
+# -- full disks ---------------------------------------------------------------------------------------------------
+def _full_disk_after(monkeypatch, limit: int, names: str = ".checkpoint_last.pt.") -> None:
+    """Atomic writes of ``names*`` get ENOSPC once ``limit`` bytes are written (in atomic's ``open``)."""
+    real_open = open
+
+    class Full:
+        def __init__(self, f):
+            self.f, self.n = f, 0
+
+        def write(self, data):
+            self.n += len(data)
+            if self.n > limit:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return self.f.write(data)
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+    def fake_open(path, mode="r", *args, **kwargs):
+        f = real_open(path, mode, *args, **kwargs)
+        return Full(f) if Path(path).name.startswith(names) else f
+
+    monkeypatch.setattr(atomic, "open", fake_open, raising=False)
+
+
+def test_save_atomic__disk_full_is_one_output_error_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    import torch
+
+    path = tmp_path / "checkpoint_last.pt"
+    save_atomic({"step": 1, "w": torch.zeros(10)}, path)
+    _full_disk_after(monkeypatch, 1000)
+    with pytest.raises(OutputError, match=r"^disk full while writing .*checkpoint_last\.pt; free some space "
+                                          r"\([\d,.]+ MB free there\) and rerun the same command"):
+        save_atomic({"step": 2, "w": torch.zeros(100_000)}, path)
+    assert torch.load(path, weights_only=True)["step"] == 1 and _temp_files(tmp_path) == []
+
+
+def test_train__disk_full_at_a_checkpoint_is_one_line_and_the_same_command_resumes(small_dir, tmp_path, monkeypatch,
+                                                                                 capsys):
+    run = tmp_path / "run"
+    assert main(_argv(small_dir, run, 1)) == 0
+    capsys.readouterr()
+    _full_disk_after(monkeypatch, 1 << 20)
+    assert main(_argv(small_dir, run, 2)) == 5
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("moco: error:")]
+    assert "Traceback" not in err and len(errors) == 1, err
+    assert f"disk full while writing {run / 'checkpoint_last.pt'}; free some space (" in errors[0]
+    assert load_checkpoint(run)["epoch"] == 1 and _temp_files(run) == []
+    monkeypatch.undo()
+    assert main(_argv(small_dir, run, 2)) == 0
+    assert load_checkpoint(run)["epoch"] == 2 and load_checkpoint(run)["step"] == 4
+    steps = [line for line in (run / "metrics.jsonl").read_text().splitlines() if '"kind": "step"' in line]
+    assert len(steps) == 4  # the steps after the kept checkpoint were logged once
+
+
+def test_export__disk_full_is_one_line_and_leaves_no_file(tmp_path, monkeypatch, capsys):
+    import onnx
+
+    run = write_random_init_checkpoint(tiny_train_config(tmp_path / "data", tmp_path / "run"), tmp_path / "run")
+    out = tmp_path / "out" / "encoder.onnx"
+    real_save = onnx.save
+
+    def full(model, path, *args, **kwargs):
+        Path(path).write_bytes(b"\0" * 1000)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(onnx, "save", full)
+    assert main(["export", str(run), "--out", str(out)]) == 5
+    err = capsys.readouterr().err
+    assert err.startswith(f"moco: error: disk full while writing {out}; free some space (") and err.count("\n") == 1
+    assert list(out.parent.iterdir()) == []
+    monkeypatch.setattr(onnx, "save", real_save)
+
+
+def test_disk_full__a_small_tmpfs_for_a_checkpoint_and_an_export_gives_one_line(small_dir, tmp_path):
+    """The real thing where a mount namespace is allowed: a run directory and an export on a 24 MB tmpfs (a
+    ResNet-18 checkpoint is 138 MB, its encoder 45 MB): exit 5, one line, no temporary file left."""
+    prefix = _unshare_prefix()
+    if prefix is None:
+        if os.environ.get("CI"):
+            pytest.fail("CI is set but no mount namespace can be made for a small tmpfs (unshare --mount)")
+        pytest.skip("no mount namespace here for a small tmpfs; the ENOSPC injection tests above cover the writers")
+    source = write_random_init_checkpoint(tiny_train_config(small_dir, tmp_path / "source"), tmp_path / "source")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    moco = [sys.executable, "-m", "moco_retrieval"]
+    train = moco + _argv(small_dir, disk / "run", 1)
+    export = moco + ["export", str(source), "--out", str(disk / "encoder.onnx")]
+    script = ('mount -t tmpfs -o size=24m tmpfs "$1" || exit 99; '
+              f'{" ".join(map(repr, train))} 2>"$1.train"; echo $? >"$1.train.rc"; '
+              f'{" ".join(map(repr, export))} 2>"$1.export"; echo $? >"$1.export.rc"; '
+              'ls -a "$1" "$1/run" >"$1.ls"')
+    proc = subprocess.run(prefix + ["sh", "-c", script, "sh", str(disk)], cwd=REPO, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    for name, file in (("train", "checkpoint_last.pt"), ("export", "encoder.onnx")):
+        rc = int(Path(f"{disk}.{name}.rc").read_text())
+        stderr = Path(f"{disk}.{name}").read_text()
+        assert rc == 5, f"{name}: exit {rc}: {stderr[-2000:]}"
+        error = check_one_line(name, {"rc": rc, "stderr": stderr})
+        assert "disk full while writing" in error and file in error and "MB free there" in error, error
+    assert ".tmp" not in Path(f"{disk}.ls").read_text()
