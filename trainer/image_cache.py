@@ -326,6 +326,8 @@ class ImageCache:
                 f.truncate(rows * self.row_bytes)  # its length back (zeros): row numbers are never reused
                 sums.drop_from(first)
             if sums.rows < rows:
+                if sums.rows == 0 and not lost:
+                    LOG.info("image cache %s: checksumming its %d rows (written before checksums)", self.folder, rows)
                 sums.cover(fd, self.row_bytes, rows)
                 changed = True
             bad = sums.damaged(fd, self.row_bytes, [b for b in sums.sample(self.sample_blocks, self._rng) if b not in lost])
