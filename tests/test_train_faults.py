@@ -83,6 +83,18 @@ def test_run_dir_lock__is_taken_once_and_released_at_the_end(tmp_path):
         pass
 
 
+def test_run_dir_lock__only_rank_0_holds_it_and_every_rank_hears_the_refusal(tmp_path, monkeypatch):
+    from moco_retrieval.trainer import run_dir
+
+    monkeypatch.setattr(run_dir.dist, "rank", lambda: 1)
+    with directory_lock(tmp_path, "moco train"), RunDirLock(tmp_path) as lock:
+        lock.acquire()  # rank 1 takes nothing, so rank 0's lock does not refuse it
+        assert not lock.held
+        monkeypatch.setattr(run_dir.dist, "broadcast_object", lambda obj: "another `moco train` is writing X; wait")
+        with pytest.raises(ArtifactError, match="another `moco train` is writing X"):
+            lock.acquire_if_present()  # what rank 0 found, broadcast
+
+
 # -- temporary files of killed writes ---------------------------------------------------------------------------
 def test_run_dir_lock__removes_the_temporary_files_killed_writes_left_and_only_those(tmp_path, caplog):
     (tmp_path / "checkpoint_last.pt").write_bytes(b"the intact checkpoint")

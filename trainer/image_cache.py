@@ -313,8 +313,8 @@ class ImageCache:
         if sums is None:  # a new cache, or one written before checksums: they are made from its rows
             sums = RowChecksums.for_rows(index["pixels"], self.row_bytes, self.block_bytes)
         rows, path = index["rows"], self.folder / index["pixels"]
-        if rows == 0:
-            return sums, changed
+        if rows == 0:  # nothing to check; the record is written with the first rows
+            return sums, False
         lost, why = set(), []
         with output_errors(path, "set --cache-dir to a writable folder"), open(path, "r+b") as f:
             fd = f.fileno()
