@@ -4,7 +4,9 @@ code, and the run directory keeps what was done: the identical command resumes."
 from __future__ import annotations
 
 import errno
+import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -113,8 +115,27 @@ def test_run_dir_lock__removes_the_temporary_files_killed_writes_left_and_only_t
     with caplog.at_level("WARNING"), RunDirLock(tmp_path) as lock:
         lock.acquire()
     assert not any(p.exists() for p in stale)
-    assert all(p.exists() for p in others) and (tmp_path / "checkpoint_last.pt").read_bytes() == b"the intact checkpoint"
+    assert all(p.exists() for p in others)
+    assert (tmp_path / "checkpoint_last.pt").read_bytes() == b"the intact checkpoint"
     assert "removed 4 temporary files (0.1 MB) that a killed run left" in caplog.text
+
+
+# -- metrics.jsonl after a kill -----------------------------------------------------------------------------------
+def _steps(run: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()
+            if '"kind": "step"' in line]
+
+
+def test_train__a_torn_metrics_line_and_rows_of_a_run_killed_before_its_checkpoint_are_not_kept(small_dir, tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"kind": "step", "epoch": 0, "step": 1, "loss": 9.0}\n{"kind": "st')
+    assert main(_argv(small_dir, run, 1)) == 0  # no checkpoint: a new run, which logs its own rows only
+    assert _steps(run) == [1, 2] and '"loss": 9.0' not in (run / "metrics.jsonl").read_text()
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"kind": "step", "epoch": 1, "ste')  # killed while appending
+    assert main(_argv(small_dir, run, 2)) == 0  # resumes from epoch 1
+    assert _steps(run) == [1, 2, 3, 4]
 
 
 # -- full disks ---------------------------------------------------------------------------------------------------
@@ -213,8 +234,8 @@ def test_disk_full__a_small_tmpfs_for_a_checkpoint_and_an_export_gives_one_line(
     train = moco + _argv(small_dir, disk / "run", 1)
     export = moco + ["export", str(source), "--out", str(disk / "encoder.onnx")]
     script = ('mount -t tmpfs -o size=24m tmpfs "$1" || exit 99; '
-              f'{" ".join(map(repr, train))} 2>"$1.train"; echo $? >"$1.train.rc"; '
-              f'{" ".join(map(repr, export))} 2>"$1.export"; echo $? >"$1.export.rc"; '
+              f'{shlex.join(train)} 2>"$1.train"; echo $? >"$1.train.rc"; '
+              f'{shlex.join(export)} 2>"$1.export"; echo $? >"$1.export.rc"; '
               'ls -a "$1" "$1/run" >"$1.ls"')
     proc = subprocess.run(prefix + ["sh", "-c", script, "sh", str(disk)], cwd=REPO, capture_output=True, text=True,
                           timeout=600)

@@ -330,7 +330,8 @@ class ImageCache:
                     LOG.info("image cache %s: checksumming its %d rows (written before checksums)", self.folder, rows)
                 sums.cover(fd, self.row_bytes, rows)
                 changed = True
-            bad = sums.damaged(fd, self.row_bytes, [b for b in sums.sample(self.sample_blocks, self._rng) if b not in lost])
+            sample = [b for b in sums.sample(self.sample_blocks, self._rng) if b not in lost]
+            bad = sums.damaged(fd, self.row_bytes, sample)
             if bad:  # one damaged block: check them all
                 bad = sums.damaged(fd, self.row_bytes, [b for b in range(len(sums.crc32)) if b not in lost])
                 why.append(f"1 block of rows fails its checksum" if len(bad) == 1 else

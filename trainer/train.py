@@ -174,10 +174,19 @@ def _append_jsonl(path: Path, row: dict) -> None:
 
 
 def _truncate_metrics(path: Path, last_step: int) -> None:
-    """Drop metric rows logged after the checkpoint we resume from (they will be logged again)."""
+    """Drop metric rows logged after the checkpoint we resume from (they will be logged again), and a line
+    that a killed run left half-written (it failed every rerun with a JSONDecodeError)."""
     if path.exists():
-        rows = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= last_step]
+        rows = [line for line in path.read_text().splitlines() if _step_of(line) <= last_step]
         write_text_atomic(path, "".join(row + "\n" for row in rows))
+
+
+def _step_of(line: str) -> float:
+    """The ``step`` of a ``metrics.jsonl`` line; infinity (dropped) for a blank, torn or foreign one."""
+    try:
+        return float(json.loads(line)["step"])
+    except (ValueError, TypeError, KeyError):
+        return math.inf
 
 
 def _write_skipped(path: Path, skipped: dict[str, str]) -> None:
@@ -337,6 +346,8 @@ def setup(cfg: TrainConfig, device: torch.device, resume: str | Path | None = No
                      progress.epoch + 1 if progress.batch_in_epoch else progress.epoch, progress.batch_in_epoch,
                      progress.step)
             _truncate_metrics(run_dir / METRICS, progress.step)
+        else:  # a run killed before its first checkpoint left rows: this one logs them again
+            _truncate_metrics(run_dir / METRICS, -1)
         write_text_atomic(run_dir / CONFIG, cfg.to_json() + "\n")
         _write_skipped(run_dir / SKIPPED, skipped)
         plan = (f"for {cfg.time_budget} (steps planned after the first minute)" if budget is not None
