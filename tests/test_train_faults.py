@@ -219,31 +219,42 @@ def test_export__disk_full_is_one_line_and_leaves_no_file(tmp_path, monkeypatch,
     monkeypatch.setattr(onnx, "save", real_save)
 
 
+@pytest.mark.slow  # two training processes: ~40 s on 2 busy cores
 def test_disk_full__a_small_tmpfs_for_a_checkpoint_and_an_export_gives_one_line(small_dir, tmp_path):
-    """The real thing where a mount namespace is allowed: a run directory and an export on a 24 MB tmpfs (a
-    ResNet-18 checkpoint is 138 MB, its encoder 45 MB): exit 5, one line, no temporary file left."""
+    """The real thing where a mount namespace is allowed. A run of one epoch (a 138 MB ResNet-18 checkpoint) is
+    continued on a 200 MB tmpfs: the second epoch's checkpoint does not fit. Its encoder (45 MB) is exported
+    to a 24 MB one. Each is exit 5 and one line naming the file and the free space, with no temporary file
+    left and the previous checkpoint byte for byte; with room made, the same command finishes the run."""
     prefix = _unshare_prefix()
     if prefix is None:
         if os.environ.get("CI"):
             pytest.fail("CI is set but no mount namespace can be made for a small tmpfs (unshare --mount)")
         pytest.skip("no mount namespace here for a small tmpfs; the ENOSPC injection tests above cover the writers")
-    source = write_random_init_checkpoint(tiny_train_config(small_dir, tmp_path / "source"), tmp_path / "source")
-    disk = tmp_path / "disk"
+    source = tmp_path / "source"
+    assert main(_argv(small_dir, source, 1)) == 0
+    disk, small = tmp_path / "disk", tmp_path / "small"
     disk.mkdir()
+    small.mkdir()
     moco = [sys.executable, "-m", "moco_retrieval"]
-    train = moco + _argv(small_dir, disk / "run", 1)
-    export = moco + ["export", str(source), "--out", str(disk / "encoder.onnx")]
-    script = ('mount -t tmpfs -o size=24m tmpfs "$1" || exit 99; '
-              f'{shlex.join(train)} 2>"$1.train"; echo $? >"$1.train.rc"; '
-              f'{shlex.join(export)} 2>"$1.export"; echo $? >"$1.export.rc"; '
-              'ls -a "$1" "$1/run" >"$1.ls"')
-    proc = subprocess.run(prefix + ["sh", "-c", script, "sh", str(disk)], cwd=REPO, capture_output=True, text=True,
-                          timeout=600)
+    train = shlex.join(moco + _argv(small_dir, disk / "run", 2))
+    export = shlex.join(moco + ["export", str(source), "--out", str(small / "encoder.onnx")])
+    w, source_q = shlex.quote(str(tmp_path)), shlex.quote(str(source))
+    disk_q, small_q = shlex.quote(str(disk)), shlex.quote(str(small))
+    script = (f'mount -t tmpfs -o size=200m tmpfs {disk_q} && mount -t tmpfs -o size=24m tmpfs {small_q} || exit 99; '
+              f'cp -a {source_q} {disk_q}/run && sha256sum {disk_q}/run/checkpoint_last.pt >{w}/before; '
+              f'{train} 2>{w}/train; echo $? >{w}/train.rc; sha256sum {disk_q}/run/checkpoint_last.pt >{w}/after; '
+              f'{export} 2>{w}/export; echo $? >{w}/export.rc; ls -a {disk_q}/run {small_q} >{w}/ls; '
+              f'mount -o remount,size=400m {disk_q} && {train} 2>{w}/rerun; echo $? >{w}/rerun.rc; '
+              f'ls {disk_q}/run >{w}/ls.after')
+    proc = subprocess.run(prefix + ["sh", "-c", script], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     for name, file in (("train", "checkpoint_last.pt"), ("export", "encoder.onnx")):
-        rc = int(Path(f"{disk}.{name}.rc").read_text())
-        stderr = Path(f"{disk}.{name}").read_text()
+        rc, stderr = int((tmp_path / f"{name}.rc").read_text()), (tmp_path / name).read_text()
         assert rc == 5, f"{name}: exit {rc}: {stderr[-2000:]}"
         error = check_one_line(name, {"rc": rc, "stderr": stderr})
         assert "disk full while writing" in error and file in error and "MB free there" in error, error
-    assert ".tmp" not in Path(f"{disk}.ls").read_text()
+    assert (tmp_path / "before").read_text() == (tmp_path / "after").read_text()  # the previous checkpoint
+    listing = (tmp_path / "ls").read_text()
+    assert ".tmp" not in listing and "encoder.onnx" not in listing
+    assert (tmp_path / "rerun.rc").read_text().strip() == "0", (tmp_path / "rerun").read_text()[-2000:]
+    assert "checkpoint_0002.pt" in (tmp_path / "ls.after").read_text()
