@@ -12,11 +12,11 @@ import importlib
 import logging
 import sys
 
-from moco_retrieval.contracts.errors import MocoError
+from moco_retrieval.contracts.errors import ConfigError, MocoError
 
 # One module per subcommand, each with ``register(subparsers)``; add new commands here.
-COMMAND_MODULES = tuple(f"moco_retrieval.app.cmd_{name}" for name in ("train", "export", "eval", "index", "embeddings",
-                                                                   "demo", "serve"))
+COMMAND_MODULES = tuple(f"moco_retrieval.app.cmd_{name}" for name in ("train", "export", "eval", "index", "embed",
+                                                                   "embeddings", "demo", "serve", "duplicates"))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,6 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
         importlib.import_module(name).register(sub)
     return parser
 
+
+# packages of an optional install -> its extra (the base install indexes and serves without them)
+EXTRA_OF = {"torch": "train", "torchvision": "train", "timm": "train", "matplotlib": "train", "safetensors": "train"}
 
 LOUDNESS = {"-v": logging.DEBUG, "--verbose": logging.DEBUG, "-q": logging.WARNING, "--quiet": logging.WARNING}
 QUIET_LOGGERS = {
@@ -75,6 +78,13 @@ def main(argv: list[str] | None = None) -> int:
     except MocoError as exc:
         print(f"moco: error: {exc}", file=sys.stderr)
         return exc.exit_code
+    except ModuleNotFoundError as exc:
+        extra = EXTRA_OF.get((exc.name or "").split(".")[0])
+        if extra is None:
+            raise
+        print(f"moco: error: `moco {args.command}` needs {exc.name}, which this install lacks: "
+              f"pip install 'moco-retrieval[{extra}]'", file=sys.stderr)
+        return ConfigError.exit_code
     except KeyboardInterrupt:
         print("moco: interrupted; completed work is saved, rerun the same command to continue", file=sys.stderr)
         return 130

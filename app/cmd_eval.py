@@ -15,21 +15,29 @@ examples:
   moco eval knn --train shapes/train --test shapes/val runs/shapes
   moco eval knn --train shapes/train --test shapes/val runs/shapes/encoder.onnx --out results/knn.json
   moco eval linear --train shapes/train --test shapes/val runs/shapes/checkpoint_0100.pt --epochs 200
+  moco eval knn --train photos/train --test photos/val moco_v2_800ep_pretrain.pth.tar --image-size 96
+                                        # official weights as they are, to compare with your run after --init
 
 Folders are labeled by their first-level subfolders (<folder>/<class>/<image>). Results print as a table
 and are written as JSON to --out (default: eval_<protocol>.json next to MODEL).
 """
 
 
-def open_model(model: str, device: str, batch_size: int, workers: int):
-    """An embedder for MODEL: the ONNX encoder for ``.onnx`` files, else the checkpoint's backbone."""
+def open_model(model: str, device: str, batch_size: int, workers: int, arch: str | None = None,
+               image_size: int | None = None):
+    """An embedder for MODEL: the ONNX encoder for ``.onnx`` files, else the backbone of the checkpoint or
+    weights file (torchvision, timm, MoCo v1/v2/v3: what ``moco train --init`` reads)."""
     if model.endswith(".onnx"):
+        from moco_retrieval.contracts.errors import ConfigError
         from moco_retrieval.indexer.encoder import OnnxEncoder
 
+        if arch is not None or image_size is not None:
+            raise ConfigError("--arch and --image-size go with weights files; an .onnx encoder states its own")
         return OnnxEncoder(model, device=device)
     from moco_retrieval.trainer.evaluate import CheckpointEmbedder
 
-    return CheckpointEmbedder(model, device=device, batch_size=batch_size, workers=workers)
+    return CheckpointEmbedder(model, device=device, batch_size=batch_size, workers=workers, arch=arch,
+                              image_size=image_size)
 
 
 def default_out(model: str, protocol: str) -> Path:
@@ -45,7 +53,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         write_results,
     )
 
-    embedder = open_model(args.model, args.device, args.batch_size, args.workers)
+    embedder = open_model(args.model, args.device, args.batch_size, args.workers, args.arch, args.image_size)
     probe = None
     if args.protocol == "linear":
         probe = LinearProbeConfig(epochs=args.epochs, batch_size=args.probe_batch_size, lr=args.lr,
@@ -77,7 +85,12 @@ def _k_list(value: str) -> list[int]:
 
 def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", metavar="MODEL",
-                   help="run directory, checkpoint (.pt) or exported encoder (.onnx) to evaluate")
+                   help="run directory, checkpoint (.pt), exported encoder (.onnx), or a weights file moco train "
+                        "--init reads (torchvision, timm, facebookresearch/moco or moco-v3) to evaluate")
+    p.add_argument("--arch", default=None,
+                   help="for a weights file: the architecture you expect (checked against the file)")
+    p.add_argument("--image-size", type=int, default=None,
+                   help="for a weights file: input size in pixels (default: a ViT's own, 224 for a ResNet)")
     p.add_argument("--train", required=True, metavar="LABELED_DIR",
                    help="labeled folder (<dir>/<class>/<image>) the classifier learns from")
     p.add_argument("--test", required=True, metavar="LABELED_DIR",

@@ -12,13 +12,25 @@ examples:
   moco export runs/photos --out encoder.onnx                  # the run's last checkpoint
   moco export runs/photos/checkpoint_0100.pt --out e100.onnx  # a particular checkpoint
   moco export runs/photos --out encoder-fp16.onnx --fp16      # half the size, cosine >= 0.999 to fp32
+  moco export --init moco_v2_800ep_pretrain.pth.tar --arch resnet50 --image-size 224 --out encoder.onnx
+                                                              # official weights as they are, no training
 """
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from moco_retrieval.trainer.export import export_encoder
+    from moco_retrieval.contracts.encoder_format import model_label
+    from moco_retrieval.contracts.errors import ConfigError
+    from moco_retrieval.trainer.export import export_encoder, export_pretrained
 
-    result = export_encoder(args.checkpoint, args.out, fp16=args.fp16, opset=args.opset, verify=args.verify)
+    if (args.checkpoint is None) == (args.init is None):
+        raise ConfigError("give either a run directory / checkpoint or --init SOURCE, not both or neither")
+    if args.init is not None:
+        result = export_pretrained(args.init, args.out, arch=args.arch, image_size=args.image_size, fp16=args.fp16,
+                                   opset=args.opset, verify=args.verify, data_dir=args.verify_images)
+    else:
+        if args.arch is not None or args.image_size is not None:
+            raise ConfigError("--arch and --image-size go with --init; a run's checkpoint states its own")
+        result = export_encoder(args.checkpoint, args.out, fp16=args.fp16, opset=args.opset, verify=args.verify)
     meta = result.metadata
     if result.checks:
         print(f"verified ONNX Runtime against PyTorch on {result.image_source}:")
@@ -27,7 +39,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     else:
         print("verification skipped (--no-verify)")
     size_mb = result.path.stat().st_size / 1e6
-    print(f"wrote {result.path} ({size_mb:.1f} MB, {meta['precision']}): MoCo v{meta['moco_version']} {meta['arch']}, "
+    print(f"wrote {result.path} ({size_mb:.1f} MB, {meta['precision']}): {model_label(meta)}, "
           f"input uint8 [N, {meta['image_size']}, {meta['image_size']}, 3], output float32 "
           f"[N, {meta['embedding_dim']}]")
     return 0
@@ -40,8 +52,17 @@ def register(sub) -> None:
                                    "gives the same embeddings as PyTorch on a few of the run's images. The file "
                                    "is written only if the check passes.",
                        epilog=EPILOG_EXPORT, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("checkpoint", metavar="RUN_DIR_OR_CHECKPOINT",
+    p.add_argument("checkpoint", metavar="RUN_DIR_OR_CHECKPOINT", nargs="?", default=None,
                    help="a run directory from `moco train` (uses its checkpoint_last.pt) or a checkpoint .pt file")
+    p.add_argument("--init", metavar="SOURCE", default=None,
+                   help="export these weights as they are, without training: a local torchvision or timm state "
+                        "dict (.pth/.pt/.bin/.safetensors), a facebookresearch/moco or moco-v3 checkpoint; the "
+                        "metadata records its name and sha256")
+    p.add_argument("--arch", default=None, help="with --init: the architecture you expect (checked against the file)")
+    p.add_argument("--image-size", type=int, default=None,
+                   help="with --init: the encoder's input size in pixels (default: a ViT's own, 224 for a ResNet)")
+    p.add_argument("--verify-images", metavar="DIR", default=None,
+                   help="with --init: a folder of images to verify the export on (default: generated ones)")
     p.add_argument("--out", required=True, metavar="ENCODER_ONNX", help="the .onnx file to write, e.g. encoder.onnx")
     p.add_argument("--fp16", action="store_true",
                    help="store the network in float16: half the file size, faster on GPUs; input and output "

@@ -17,7 +17,10 @@ what it does:
   Readers (`moco serve`) see the old index or the new one, never a mix.
 
   Unreadable files (corrupt, truncated, empty, not an image, over 89 megapixels) are skipped, listed at the
-  end and in INDEX_DIR/report.json.
+  end and in INDEX_DIR/report.json; files with other extensions are counted there by extension.
+
+  Moved or renamed the image folder? `moco index NEW_DIR --out INDEX_DIR --reattach` points the index at it:
+  files with the same relative path, size and mtime keep their ids and vectors, only the rest is embedded.
 
 updates cost what changed:
   An update shares the previous index's files and writes only a small delta (the new vectors, the removed
@@ -115,6 +118,7 @@ def cmd_verify(out: str) -> int:
 def print_index_result(result) -> None:
     """The summary table of a ``moco index`` run (and the skipped files, names shown readably)."""
     from moco_retrieval.contracts.filenames import display_name
+    from moco_retrieval.indexer.scan import describe_not_images
 
     t = result.timings
     state = "published now" if result.published else "unchanged, still live"
@@ -123,6 +127,7 @@ def print_index_result(result) -> None:
     rows = [
         ("index directory", result.index_dir),
         ("generation", f"{result.generation} ({state})"),
+        *([("image folder", f"{result.reattached} -> re-attached here")] if result.reattached else []),
         ("images in index", f"{result.count}"),
         ("added", f"{result.added}"),
         ("updated", f"{result.updated}"),
@@ -130,6 +135,7 @@ def print_index_result(result) -> None:
         ("unchanged", f"{result.unchanged}"),
         ("exact duplicates", f"{result.duplicates}"),
         ("skipped (unreadable)", f"{len(result.skipped)}"),
+        ("not images (ignored)", describe_not_images(result.not_images) if result.not_images else "0"),
         ("embedded this run", f"{result.embedded}" + (f" (+{result.resumed} resumed)" if result.resumed else "")),
         ("index", result.factory + "".join(f", {k}={v}" for k, v in result.search_params.items())
          + (f" (+{result.delta_count} in the delta, {result.removed_count} removed since the last compaction)"

@@ -30,6 +30,9 @@ EPILOG_SEARCH = """\
 examples:
   moco search index/ query.jpg              # the 10 most similar indexed images
   moco search index/ query.jpg -k 3 --json  # machine-readable
+  moco search index/ query.jpg --min-score 0.9          # every image at least 0.9 similar (up to 1000)
+  moco search index/ new_photos/ --out neighbours.csv   # a whole folder: one row per image (or .jsonl)
+  moco search index/ query.jpg --label sneaker --label boot --exclude 42   # only those labels, never item 42
 """
 
 EPILOG_CLASSIFY = """\
@@ -39,11 +42,12 @@ k-NN evaluation of the MoCo papers (k={k}, T={t}). Labels are the first-level su
 examples:
   moco classify index/ query.jpg
   moco classify index/ query.jpg -k 50 --json
+  moco classify index/ new_photos/ --out labels.csv     # query, label, share, ids, paths, scores
 """
 
 
 ENGINE_FLAGS = ("model", "device", "threads")  # EngineConfig fields every command of this module takes
-SERVE_FLAGS = ENGINE_FLAGS + ("poll_seconds", "faiss_gpu")  # and those only a server needs
+SERVE_FLAGS = ENGINE_FLAGS + ("poll_seconds", "faiss_gpu", "knn_k", "max_queries")  # and those only a server needs
 
 
 def _engine_config(args, **fixed):
@@ -99,18 +103,49 @@ def _check_index(index_dir: str, model: str | None) -> None:
                                          str(index_dir), "serve it with the model it was built with")
 
 
+def _many(args) -> bool:
+    """Whether the query is a batch (several images, a folder, or a file or format asked for)."""
+    import os
+
+    return len(args.image) > 1 or os.path.isdir(args.image[0]) or args.out is not None or args.format is not None
+
+
+def _answer_many(args, answer, row, columns) -> int:
+    from moco_retrieval.app.query_files import answer_in_batches, expand_queries, output_format, write_rows
+    from moco_retrieval.serve.engine import SearchEngine
+
+    fmt = output_format(args.out, args.format)  # before the engine starts: a bad --out fails at once
+    paths = expand_queries(args.image)
+    with SearchEngine(args.index_dir, _engine_config(args, poll_seconds=0)) as engine:
+        from moco_retrieval.indexer.encoder import available_cores
+
+        workers = engine.config.decode_slots or available_cores()  # decodes in parallel, as the server's
+        rows = (row(path, res) for path, res in answer_in_batches(paths, engine.config.max_batch,
+                                                                 lambda chunk: answer(engine, chunk), workers))
+        n = write_rows(rows, args.out, fmt, columns)
+    if args.out is not None:
+        print(f"{n} queries answered into {args.out}")
+    return 0
+
+
 def cmd_search(args: argparse.Namespace) -> int:
     from moco_retrieval.serve.engine import SearchEngine
 
+    if _many(args):
+        from moco_retrieval.app.query_files import SEARCH_COLUMNS, search_row
+
+        flt = _filter(args)
+        return _answer_many(args, lambda engine, chunk: engine.search(chunk, args.k, args.min_score, flt),
+                            search_row, SEARCH_COLUMNS)
     with SearchEngine(args.index_dir, _engine_config(args, poll_seconds=0)) as engine:
-        (res,) = engine.search([args.image], args.k)
+        (res,) = engine.search(args.image, args.k, args.min_score, _filter(args))
         root = engine.image_root
     if args.json:
         print(json.dumps({"generation": res.generation, "image_root": str(root), "results": res.hits}, indent=2))
         return 0
     from moco_retrieval.contracts.filenames import display_name
 
-    print(f"{len(res.hits)} nearest of {args.image} (paths relative to {root}):")
+    print(f"{len(res.hits)} nearest of {args.image[0]} (paths relative to {root}):")
     print(f"{'rank':>4}  {'score':>6}  {'id':>6}  {'label':<16}  path")
     for rank, hit in enumerate(res.hits, 1):
         label = display_name(hit.get("label")) or "-"
@@ -121,17 +156,22 @@ def cmd_search(args: argparse.Namespace) -> int:
 def cmd_classify(args: argparse.Namespace) -> int:
     from moco_retrieval.serve.engine import SearchEngine
 
+    if _many(args):
+        from moco_retrieval.app.query_files import CLASSIFY_COLUMNS, classify_row
+
+        return _answer_many(args, lambda engine, chunk: engine.classify(chunk, args.k, args.temperature),
+                            classify_row, CLASSIFY_COLUMNS)
     with SearchEngine(args.index_dir, _engine_config(args, poll_seconds=0)) as engine:
-        (res,) = engine.classify([args.image], args.k, args.temperature)
+        (res,) = engine.classify(args.image, args.k, args.temperature)
     if args.json:
         print(json.dumps(res.to_dict(), indent=2))
         return 0
     if res.label is None:
-        print(f"no labeled item among the {len(res.neighbors)} nearest neighbours of {args.image}")
+        print(f"no labeled item among the {len(res.neighbors)} nearest neighbours of {args.image[0]}")
         return 0
     voters = sum(1 for h in res.neighbors if h.get("label") is not None)
-    print(f"{args.image}: {res.label} ({100 * res.probabilities[res.label]:.1f}%, {voters} labeled neighbours "
-          f"of k={args.k} voting)")
+    print(f"{args.image[0]}: {res.label} ({100 * res.probabilities[res.label]:.1f}%, {voters} labeled neighbours "
+          f"of k={len(res.neighbors)} voting)")
     for label, p in list(res.probabilities.items())[:5]:
         print(f"  {label:<20} {100 * p:5.1f}%")
     return 0
@@ -145,6 +185,36 @@ def _common(p: argparse.ArgumentParser, flags: tuple[str, ...] = ENGINE_FLAGS) -
     add_arguments(p, EngineConfig, only=flags)
 
 
+
+
+def _filter(args):
+    """The SearchFilter of the filter flags, or ``None``."""
+    from moco_retrieval.serve.engine import SearchFilter
+
+    flt = SearchFilter(labels=tuple(args.label or ()), path_prefix=args.path_prefix, min_width=args.min_width,
+                       max_width=args.max_width, min_height=args.min_height, max_height=args.max_height,
+                       exclude=tuple(args.exclude or ()))
+    return flt or None
+
+
+def _filter_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("filters (only items that pass all of them)")
+    g.add_argument("--label", action="append", metavar="LABEL", help="items with this label; repeat for several")
+    g.add_argument("--path-prefix", metavar="PREFIX", help="items whose relative path starts with this (a folder: "
+                   "shoes/)")
+    for name, what in (("min-width", "at least this wide"), ("max-width", "at most this wide"),
+                       ("min-height", "at least this tall"), ("max-height", "at most this tall")):
+        g.add_argument(f"--{name}", type=int, metavar="PX", help=f"images {what} (pixels)")
+    g.add_argument("--exclude", type=int, action="append", metavar="ID", help="never this item id; repeatable")
+
+
+def _batch_output(p: argparse.ArgumentParser) -> None:
+    from moco_retrieval.app.query_files import FORMATS
+
+    p.add_argument("--out", metavar="FILE", default=None,
+                   help="write one row per query image to FILE (.csv or .jsonl); several images or a folder "
+                        "without --out print JSONL")
+    p.add_argument("--format", choices=FORMATS, default=None, help="the rows' format (default: --out's suffix)")
 
 
 def register(sub) -> None:
@@ -169,19 +239,24 @@ def register(sub) -> None:
                        description="Embed IMAGE with the index's model and print its nearest indexed images "
                                    "(cosine similarity), best first.", epilog=EPILOG_SEARCH, formatter_class=fmt)
     _common(p)
-    p.add_argument("image", metavar="IMAGE", help="the query image file")
-    p.add_argument("-k", type=int, default=SEARCH_K, help=f"how many neighbours (default {SEARCH_K})")
-    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("image", metavar="IMAGE", nargs="+", help="query image files or folders of them")
+    p.add_argument("-k", type=int, default=None,
+                   help=f"how many neighbours (default {SEARCH_K}; with --min-score, at most this many)")
+    p.add_argument("--min-score", type=float, default=None,
+                   help="every neighbour with a cosine similarity of at least this (-1 to 1), up to -k")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table (one image)")
+    _batch_output(p)
+    _filter_flags(p)
     p.set_defaults(func=cmd_search)
 
     p = sub.add_parser("classify", help="predict an image's label from its labeled nearest neighbours",
                        description="Predict IMAGE's label by a weighted vote of its k nearest labeled indexed "
                                    "images.", epilog=EPILOG_CLASSIFY.format(k=KNN_K, t=KNN_TEMPERATURE), formatter_class=fmt)
     _common(p)
-    p.add_argument("image", metavar="IMAGE", help="the image to classify")
-    p.add_argument("-k", type=int, default=KNN_K,
-                   help=f"neighbours that vote (default {KNN_K})")
+    p.add_argument("image", metavar="IMAGE", nargs="+", help="image files or folders of them to classify")
+    p.add_argument("-k", type=int, default=None, help=f"neighbours that vote (default {KNN_K}, as the API's)")
     p.add_argument("--temperature", type=float, default=KNN_TEMPERATURE,
                    help=f"vote weight exp(similarity / T) (default {KNN_TEMPERATURE})")
-    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text (one image)")
+    _batch_output(p)
     p.set_defaults(func=cmd_classify)

@@ -25,6 +25,7 @@ examples:
   moco train photos/ --out runs/photos --arch resnet18 --image-size 96 --time-budget 30m
   moco train photos/ --out runs/photos          # rerun after a crash: continues from checkpoint_last.pt
   moco train photos/ --out runs/paper --recipe paper --epochs 200 --batch-size 256
+  moco train photos/ --out runs/ft --init moco_v2_800ep_pretrain.pth.tar --time-budget 30m   # continue official weights
   torchrun --nproc_per_node=8 -m moco_retrieval train photos/ --out runs/photos   # 8 GPUs, --batch-size is global
 """
 
@@ -44,7 +45,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 def _print_train_result(result) -> None:
     knn = ""
     if result.knn_acc is not None:
-        before = f" (random init {100 * result.knn_before:.1f}%)" if result.knn_before is not None else ""
+        start = "--init weights" if result.init else "random init"
+        before = f" ({start} {100 * result.knn_before:.1f}%)" if result.knn_before is not None else ""
         knn = f", k-NN top-1 {100 * result.knn_acc:.1f}%{before}"
     loss = f", loss {result.loss:.3f}" if result.loss is not None else ""
     print(f"trained {result.steps} steps ({result.epochs_done} epochs, stopped by {result.stopped_by}) on "

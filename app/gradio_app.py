@@ -1,9 +1,13 @@
 """The Gradio web UI over a :class:`~serve.engine.SearchEngine`, mounted at ``/`` of the serving FastAPI app.
 
-Drop, paste or shoot an image; get its nearest neighbours as a captioned gallery (score, label, path) and
-the k-NN label vote as a chart. Clicking a result searches from that item. Every handler has an explicit
-``api_name`` (``search``, ``classify``, ``search_by_id``, ``select_result``, ``stats``) so ``gradio_client``
-can call it; errors show as ``gr.Error`` messages in the page.
+Drop, paste or shoot an image; get its nearest neighbours as a captioned gallery (score and label, path, id:
+every line shown whole, in as many columns as the width allows) and the k-NN label vote as a chart (voted by
+``EngineConfig.knn_k`` neighbours, the CLI's and the API's default). A min-score slider, a label picker and a
+near-duplicates panel narrow or widen the answer. Clicking a result searches from that item; a new upload
+describes itself and clears the selection and the item id. Every handler has an explicit ``api_name``
+(``search``, ``classify``, ``search_by_id``, ``select_result``, ``duplicates``, ``stats``) so ``gradio_client``
+can call it (``search`` and ``search_by_id`` return the gallery as an update that also clears its selection);
+errors show as ``gr.Error`` messages in the page. ``UI_CSS`` holds the page's own styles.
 
 The UI gives Gradio no folder to serve from (no ``allowed_paths``): a gallery image or an example query is
 a copy, in Gradio's own cache, of an indexed file read through the same check as the API's
@@ -30,10 +34,11 @@ import gradio as gr
 from fastapi import FastAPI
 
 from moco_retrieval.contracts.atomic import atomic_write, check_writable
+from moco_retrieval.contracts.encoder_format import model_label
 from moco_retrieval.contracts.errors import MocoError
 from moco_retrieval.contracts.filenames import display_name
-from moco_retrieval.contracts.knn import KNN_TEMPERATURE, SEARCH_K
-from moco_retrieval.serve.engine import SearchEngine, knn_vote
+from moco_retrieval.contracts.knn import SEARCH_K
+from moco_retrieval.serve.engine import DUPLICATE_THRESHOLD, SearchEngine, SearchFilter
 
 LOG = logging.getLogger(__name__)
 
@@ -45,9 +50,29 @@ UPLOAD_SWEEP_S = 60  # how often both limits are applied
 DEV_ROUTES = ("/gradio_api/dev/reload",)  # Gradio's live-reload stream: for `gradio app.py`, not production
 
 
+# The page's own styles (Gradio's defaults, measured in headless Chromium over a 10,000-image index: a 28 px
+# query preview, captions cut to "0.988 · sneaker · s…", 5 fixed columns showing 6 of 10 results on a phone).
+UI_CSS = """
+#query-image img { width: 100%; height: auto; min-height: 12rem; max-height: 20rem; object-fit: contain;
+                   image-rendering: pixelated; }
+#results .grid-wrap, #duplicates .grid-wrap { overflow-y: visible; height: auto !important; max-height: none !important; }
+#results .grid-container, #duplicates .grid-container { grid-template-columns: repeat(auto-fill, minmax(8rem, 1fr)) !important;
+                           grid-template-rows: none !important; grid-auto-rows: auto !important; }
+#results .thumbnail-item, #duplicates .thumbnail-item { aspect-ratio: auto !important; height: auto !important; display: flex;
+                           flex-direction: column; overflow: visible; }
+#results .thumbnail-item img, #duplicates .thumbnail-item img { width: 100%; aspect-ratio: 1; height: auto; object-fit: cover;
+                               image-rendering: pixelated; }
+#results .caption-label, #duplicates .caption-label { position: static !important; max-width: none !important; white-space: pre-line !important;
+                          overflow: visible !important; text-overflow: clip !important; overflow-wrap: anywhere;
+                          border: none; border-top: 1px solid var(--border-color-primary); border-radius: 0;
+                          font-size: var(--text-sm); line-height: 1.35; opacity: 1 !important; }
+"""
+
+
 def _caption(hit: dict) -> str:
+    """Three lines, all of them shown (UI_CSS wraps them): score and label, the path, the id."""
     label = display_name(hit.get("label")) or "unlabeled"
-    return f"{hit['score']:.3f} · {label} · {display_name(hit['path'])} · id {hit['id']}"
+    return f"{hit['score']:.3f} · {label}\n{display_name(hit['path'])}\nid {hit['id']}"
 
 
 def ui_copy(engine: SearchEngine, record: dict, cache_dir: str | Path) -> Path | None:
@@ -81,6 +106,11 @@ def ui_copy(engine: SearchEngine, record: dict, cache_dir: str | Path) -> Path |
     return target
 
 
+def _about_upload(shown: int, min_score: float | None) -> str:
+    above = "" if min_score is None or float(min_score) <= -1 else f" scoring at least {float(min_score):g}"
+    return f"Searched from the uploaded image: {shown} results{above}."
+
+
 class _Changed(Exception):
     """A copy whose bytes are not the indexed ones (raised inside its atomic write, so it is never published)."""
 
@@ -101,12 +131,6 @@ def _votes(probabilities: dict[str, float]) -> dict[str, float]:
     return {display_name(label): p for label, p in probabilities.items()}
 
 
-def _label_chart(hits: list[dict]) -> dict[str, float]:
-    import numpy as np
-
-    return _votes(knn_vote(np.array([h["score"] for h in hits]), [h.get("label") for h in hits], KNN_TEMPERATURE))
-
-
 def stats_markdown(stats: dict) -> str:
     """The index statistics panel: items, labels, model, index type, recall@10."""
     model, index = stats["model"], stats["index"]
@@ -116,7 +140,7 @@ def stats_markdown(stats: dict) -> str:
     recall = index.get("recall_at_10")
     return (f"**{stats['items']} items** · generation `{stats['generation']}` · updated {stats['updated_at']}  \n"
             f"**labels:** {label_text}  \n"
-            f"**model:** MoCo v{model.get('moco_version')} {model.get('arch')}, {model.get('image_size')} px, "
+            f"**model:** {model_label(model)}, {model.get('image_size')} px, "
             f"{model.get('embedding_dim')}-d, `{model['sha256'][:12]}` on {model.get('provider')}  \n"
             f"**index:** `{index.get('factory')}` ({index.get('metric')}), recall@10 "
             f"{'n/a' if recall is None else f'{recall:.3f}'}")
@@ -131,20 +155,30 @@ def build_ui(engine: SearchEngine) -> gr.Blocks:
         except MocoError as exc:  # shown in the page; the app keeps running
             raise gr.Error(str(exc)) from exc
 
-    def search(image: str | None, k: float):
-        """Nearest neighbours of an uploaded image: (gallery, hits)."""
+    knn_k = engine.config.knn_k  # the vote's k: the CLI's and the API's default too, so all three agree
+
+    def _min_score(value: float | None) -> float | None:
+        return None if value is None or float(value) <= -1 else float(value)
+
+    def _filter(labels: list[str] | None) -> SearchFilter | None:
+        return SearchFilter(labels=tuple(labels)) if labels else None
+
+    def search(image: str | None, k: float, min_score: float | None = None, labels: list[str] | None = None):
+        """Nearest neighbours of an uploaded image: (gallery, hits, query description, item id cleared)."""
         if not image:
             raise gr.Error("Upload, paste or take a picture first.")
-        (res,) = _call(engine.search, [image], int(k))
-        return _gallery(engine, res.hits, cache_dir)
+        (res,) = _call(engine.search, [image], int(k), _min_score(min_score), _filter(labels))
+        items, shown = _gallery(engine, res.hits, cache_dir)
+        # a new gallery: nothing selected in it, and the page no longer describes the last clicked item
+        return gr.Gallery(value=items, selected_index=None), shown, _about_upload(len(shown), min_score), None
 
-    def classify(image: str | None, k: float):
-        """k-NN label vote of an uploaded image: {label: probability}."""
+    def classify(image: str | None):
+        """k-NN label vote of an uploaded image (k = the engine's knn_k): {label: probability}."""
         if not image:
             raise gr.Error("Upload, paste or take a picture first.")
         if not engine.labels():  # an unlabeled corpus: no chart rather than an error
             return {}
-        (res,) = _call(engine.classify, [image], int(k))
+        (res,) = _call(engine.classify, [image], knn_k)
         return _votes(res.probabilities)
 
     def select_result(hits: list[dict] | None, evt: gr.SelectData):
@@ -153,16 +187,28 @@ def build_ui(engine: SearchEngine) -> gr.Blocks:
             raise gr.Error("That result is no longer shown; search again.")
         return hits[evt.index]["id"]
 
-    def search_by_id(item_id: float | None, k: float):
+    def search_by_id(item_id: float | None, k: float, min_score: float | None = None,
+                     labels: list[str] | None = None):
         """Neighbours of an indexed item: (gallery, hits, label chart, query description)."""
         if item_id is None:
             raise gr.Error("Enter an item id, or click a search result.")
-        res = _call(engine.search_by_id, int(item_id), int(k))
+        res = _call(engine.search_by_id, int(item_id), int(k), _min_score(min_score), _filter(labels))
         q = res.query
         about = (f"Searched from item {q['id']}: `{display_name(q['path'])}` "
                  f"(label {display_name(q.get('label')) or 'none'})")
+        chart = _votes(_call(engine.classify_by_id, int(item_id), knn_k).probabilities) if engine.labels() else {}
         items, shown = _gallery(engine, res.hits, cache_dir)
-        return items, shown, _label_chart(res.hits), about
+        return gr.Gallery(value=items, selected_index=None), shown, chart, about
+
+    def duplicates(item_id: float | None, threshold: float):
+        """Near-duplicates of an indexed item: (gallery, summary)."""
+        if item_id is None:
+            raise gr.Error("Enter an item id, or click a search result.")
+        res = _call(engine.duplicates, int(item_id), float(threshold))
+        items, shown = _gallery(engine, res.hits, cache_dir)
+        summary = (f"{len(shown)} near-duplicates of item {res.query['id']} (`{display_name(res.query['path'])}`) "
+                   f"at a score of {float(threshold):g} or more")
+        return items, summary
 
     def stats():
         return stats_markdown(_call(engine.stats))
@@ -179,9 +225,15 @@ def build_ui(engine: SearchEngine) -> gr.Blocks:
             with gr.Column(scale=1):
                 image = gr.Image(type="filepath", sources=["upload", "clipboard", "webcam"], label="Query image",
                                  elem_id="query-image")
-                k = gr.Slider(1, UI_MAX_K, value=SEARCH_K, step=1, label="k (neighbours)")
+                k = gr.Slider(1, UI_MAX_K, value=SEARCH_K, step=1, label="k (neighbours)", elem_id="k")
+                min_score = gr.Slider(-1, 1, value=-1, step=0.01, elem_id="min-score",
+                                      label="min score (all results at least this similar, up to k; -1: off)")
+                label_names = sorted(engine.labels())
+                labels = gr.Dropdown(label_names, value=[], multiselect=True, elem_id="label-filter",
+                                     label="only these labels (none: all)", visible=bool(label_names))
                 button = gr.Button("Search", variant="primary", elem_id="search-button")
-                label = gr.Label(num_top_classes=5, label="k-NN prediction", elem_id="prediction")
+                label = gr.Label(num_top_classes=5, label=f"k-NN prediction ({knn_k} neighbours vote)",
+                                 elem_id="prediction")
                 with gr.Row():
                     item_id = gr.Number(value=None, label="Item id", precision=0, elem_id="item-id")
                     by_id = gr.Button("Search from id")
@@ -189,16 +241,28 @@ def build_ui(engine: SearchEngine) -> gr.Blocks:
                 if examples:
                     gr.Examples(examples=examples, inputs=[image], label="Examples from the index")
             with gr.Column(scale=2):
+                # columns: UI_CSS makes them responsive (as many 8 rem columns as fit)
                 gallery = gr.Gallery(label="Nearest neighbours", columns=5, height="auto", elem_id="results",
                                      allow_preview=False)
+                with gr.Accordion("Near-duplicates of an item", open=False, elem_id="duplicates-panel"):
+                    threshold = gr.Slider(0.5, 1.0, value=DUPLICATE_THRESHOLD, step=0.005, elem_id="dup-threshold",
+                                          label="at least this similar")
+                    dup_button = gr.Button("Find near-duplicates of the item id", elem_id="dup-button")
+                    dup_about = gr.Markdown(elem_id="dup-about")
+                    dup_gallery = gr.Gallery(label="Near-duplicates", columns=4, height="auto",
+                                             elem_id="duplicates", allow_preview=False)
         hits = gr.State([])
 
-        gr.on([button.click, image.upload], search, inputs=[image, k], outputs=[gallery, hits], api_name="search")
-        gr.on([button.click, image.upload], classify, inputs=[image, k], outputs=[label], api_name="classify")
+        gr.on([button.click, image.upload], search, inputs=[image, k, min_score, labels], outputs=[gallery, hits, about, item_id],
+              api_name="search")
+        gr.on([button.click, image.upload], classify, inputs=[image], outputs=[label], api_name="classify")
         gallery.select(select_result, inputs=[hits], outputs=[item_id], api_name="select_result").then(
-            search_by_id, inputs=[item_id, k], outputs=[gallery, hits, label, about], api_name="search_by_id_clicked",
-            api_visibility="private")
-        by_id.click(search_by_id, inputs=[item_id, k], outputs=[gallery, hits, label, about], api_name="search_by_id")
+            search_by_id, inputs=[item_id, k, min_score, labels], outputs=[gallery, hits, label, about],
+            api_name="search_by_id_clicked", api_visibility="private")
+        by_id.click(search_by_id, inputs=[item_id, k, min_score, labels], outputs=[gallery, hits, label, about],
+                    api_name="search_by_id")
+        dup_button.click(duplicates, inputs=[item_id, threshold], outputs=[dup_gallery, dup_about],
+                         api_name="duplicates")
         ui.load(stats, outputs=[stats_box], api_name="stats")
     ui.queue(default_concurrency_limit=8)
     return ui
@@ -213,7 +277,7 @@ def mount_ui(app: FastAPI, engine: SearchEngine, path: str = "/", max_file_size:
 
     check_upload_folder()
     ui = build_ui(engine)
-    app = gr.mount_gradio_app(app, ui, path=path, footer_links=["api"],
+    app = gr.mount_gradio_app(app, ui, path=path, footer_links=["api"], css=UI_CSS,
                               max_file_size=max_file_size or MAX_UPLOAD_BYTES)
     # hack: Gradio checks that an input file is an upload (processing_utils._check_allowed) only once
     # `has_launched` is set, which launch() does and mount_gradio_app does not; unset, a request naming

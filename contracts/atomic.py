@@ -222,6 +222,14 @@ def write_json_atomic(path: str | os.PathLike, obj, hint: str = "choose a writab
         f.write("\n")
 
 
+def copy_atomic(src: str | os.PathLike, dst: str | os.PathLike) -> None:
+    """Make ``dst`` a copy of ``src`` (never a link: for a file someone else may later change in place, such
+    as the user's own model file), atomically."""
+    with atomic_path(dst) as tmp:
+        with output_errors(dst):
+            shutil.copyfile(src, tmp)
+
+
 def link_or_copy_atomic(src: str | os.PathLike, dst: str | os.PathLike) -> None:
     """Make ``dst`` hold ``src``'s content: a hard link when the filesystem allows (files that are never
     modified in place can share their blocks), else a copy; atomically either way."""

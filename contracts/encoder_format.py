@@ -7,7 +7,9 @@ transposes to NCHW itself. Output :data:`OUTPUT_NAME`, float32 ``[N, D]``, L2-no
 
 ``metadata_props`` are strings. :data:`REQUIRED_KEYS` say what the file is (``format`` =
 :data:`ENCODER_FORMAT`, ``format_version``) and how to feed it (``image_size``, ``resize``, ``mean``/``std``,
-``embedding_dim``); provenance keys (``run_id``, ``checkpoint_epoch`` ...) may follow. :func:`encode_metadata`
+``embedding_dim``); provenance keys (``run_id``, ``checkpoint_epoch`` ...) may follow. An encoder exported
+straight from weights (``moco export --init``) also names them: ``init_source`` (the file's name),
+``init_sha256`` and ``init_layout``; its ``moco_version`` is 0 when MoCo did not train them (torchvision, timm). :func:`encode_metadata`
 and :func:`decode_metadata` are each other's inverse; :func:`validate_metadata` is the one check a reader runs.
 
 The resize policy :data:`RESIZE_POLICY` (``shorter_side_center_crop``) is implemented by
@@ -43,13 +45,18 @@ REQUIRED_KEYS = ("format", "format_version", "image_size", "embedding_dim", "arc
                  "mean", "std")
 
 
+# what an index's manifest and `/api/info` say about the model (init_*: the weights file of an encoder made by
+# `moco export --init`, present only there)
 SUMMARY_KEYS = ("arch", "moco_version", "image_size", "embedding_dim", "resize", "precision", "run_id",
-                "format_version")  # what an index's manifest and `/api/info` say about the model
+                "format_version", "init_source", "init_sha256")
 
 
 def model_summary(meta: dict) -> dict:
     """The keys of an encoder's metadata that describe the model to a person (``SUMMARY_KEYS``, those present)."""
     return {k: meta[k] for k in SUMMARY_KEYS if k in meta}
+
+
+DECLARED_BOUNDS = {"image_size": (8, 2048), "embedding_dim": (1, 65536)}  # what an encoder may declare
 
 
 def encode_metadata(meta: dict) -> dict[str, str]:
@@ -98,9 +105,46 @@ def validate_metadata(props: dict[str, str], where: str) -> dict:
                             f"reads ({ENCODER_FORMAT_VERSION}); upgrade moco-retrieval")
     if meta["resize"] not in RESIZE_POLICIES:
         raise ArtifactError(f"{where} declares resize policy {meta['resize']!r}, unknown here; upgrade moco-retrieval")
-    if meta["image_size"] < 1 or meta["embedding_dim"] < 1 or len(meta["mean"]) != 3 or len(meta["std"]) != 3:
+    if len(meta["mean"]) != 3 or len(meta["std"]) != 3:
         raise ArtifactError(f"{where} has inconsistent encoder metadata; export it again with `moco export`")
+    for key, (low, high) in DECLARED_BOUNDS.items():
+        if not low <= meta[key] <= high:  # an image_size of 60,000 made every decode allocate 10.8 GB
+            raise ArtifactError(f"{where} declares {key} {meta[key]}, outside {low}-{high}; export it again with "
+                                "`moco export`")
     return meta
+
+
+def model_label(meta: dict) -> str:
+    """``"MoCo v2 resnet18"``, or ``"resnet18 (weights from r18.pth)"`` for weights MoCo did not train."""
+    version = int(meta.get("moco_version") or 0)
+    if version:
+        return f"MoCo v{version} {meta.get('arch')}"
+    source = meta.get("init_source")
+    return f"{meta.get('arch')}" + (f" (weights from {source})" if source else "")
+
+
+NORM_TOLERANCE = 1e-2  # an encoder's output rows must have L2 norm 1 within this (fp16 graphs included)
+
+
+def check_embeddings(x, n: int, embedding_dim: int, where: str):
+    """Refuse what an encoder returned unless it is float ``[n, embedding_dim]``, finite, rows L2-normalized.
+
+    An encoder that outputs NaN, unnormalized or 1-D vectors built an index with exit 0 and served garbage.
+
+    Raises:
+        ArtifactError: naming ``where`` and what is wrong.
+    """
+    shape = tuple(getattr(x, "shape", ()))
+    if shape != (n, embedding_dim):
+        raise ArtifactError(f"{where} returned embeddings of shape {list(shape)}, not the declared [{n}, "
+                            f"{embedding_dim}]; export it again with `moco export`")
+    if not np.isfinite(x).all():
+        raise ArtifactError(f"{where} returned non-finite embeddings (NaN or inf); export it again with `moco export`")
+    norms = np.linalg.norm(x, axis=1)
+    if n and np.abs(norms - 1).max() > NORM_TOLERANCE:
+        raise ArtifactError(f"{where} returned embeddings that are not L2-normalized (norms {norms.min():.3g}-"
+                            f"{norms.max():.3g}); export it again with `moco export`")
+    return x
 
 
 def resized_size(width: int, height: int, image_size: int) -> tuple[int, int]:

@@ -47,6 +47,12 @@ class UploadTooLargeError(DataError):
     http_status = 413
 
 
+class BatchTooLargeError(DataError):
+    """A batch request with more queries (images or ids) than the server's stated limit."""
+
+    http_status = 413
+
+
 class ArtifactError(MocoError):
     """A run directory, checkpoint, ONNX model or index directory that is missing, foreign or mismatched."""
 

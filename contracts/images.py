@@ -108,16 +108,19 @@ def _file_kind(mode: int) -> str:
 OUTSIDE_ROOT = "outside the image folder (through a symlink)"
 
 
-def walk_image_files(root: str | os.PathLike, confine: bool = False) -> list[FoundFile]:
+def walk_image_files(root: str | os.PathLike, confine: bool = False,
+                     not_images: dict[str, int] | None = None) -> list[FoundFile]:
     """Every image-named file under ``root`` by the folder rules above, sorted by relative path.
 
     Reads only directory entries and ``stat`` (never file contents), so rescanning millions of files is cheap.
     ``confine``: report files whose real path is outside ``root`` as skipped (:data:`OUTSIDE_ROOT`).
+    ``not_images``: counts the visible files passed over for their extension, by lower-cased extension
+    (``""`` for none), so that a summary can say what was not looked at.
 
     Raises:
         DataError: ``root`` is missing or not a folder.
     """
-    return sorted(iter_image_files(root, confine), key=lambda f: f.path)
+    return sorted(iter_image_files(root, confine, not_images), key=lambda f: f.path)
 
 
 def is_inside(real_path: str, real_root: str) -> bool:
@@ -125,7 +128,8 @@ def is_inside(real_path: str, real_root: str) -> bool:
     return real_path == real_root or real_path.startswith(real_root.rstrip(os.sep) + os.sep)
 
 
-def iter_image_files(root: str | os.PathLike, confine: bool = False) -> Iterator[FoundFile]:
+def iter_image_files(root: str | os.PathLike, confine: bool = False,
+                     not_images: dict[str, int] | None = None) -> Iterator[FoundFile]:
     """The files of :func:`walk_image_files` as they are found (each folder's entries sorted, folders in walk
     order), for callers that need only the first few.
 
@@ -151,6 +155,9 @@ def iter_image_files(root: str | os.PathLike, confine: bool = False) -> Iterator
         label = None if rel_dir == "." else rel_dir.split("/")[0]
         for name in sorted(filenames):
             if not is_image_name(name):
+                if not_images is not None and not is_hidden(name):
+                    ext = os.path.splitext(name)[1].lower()
+                    not_images[ext] = not_images.get(ext, 0) + 1
                 continue
             rel = name if rel_dir == "." else f"{rel_dir}/{name}"
             path = os.path.join(dirpath, name)
@@ -233,12 +240,16 @@ def _open_regular(path: str | os.PathLike, max_bytes: int):
         raise
 
 
-def read_image_bytes(path: str | os.PathLike, max_bytes: int = MAX_FILE_BYTES) -> bytes:
+def read_image_bytes(path: str | os.PathLike, max_bytes: int | None = None) -> bytes:
     """The bytes of an image file, refusing what is not a regular file without blocking on it.
+
+    Args:
+        max_bytes: the size limit (default ``MAX_FILE_BYTES``, read at call time like ``check_image`` does).
 
     Raises:
         DataError: missing, not a regular file, empty, over ``max_bytes``, or unreadable.
     """
+    max_bytes = MAX_FILE_BYTES if max_bytes is None else max_bytes
     with _open_regular(path, max_bytes) as f:
         try:
             data = f.read(max_bytes + 1)

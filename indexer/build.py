@@ -31,12 +31,12 @@ import os
 import shutil
 import time
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 
-from moco_retrieval.contracts.atomic import atomic_write, link_or_copy_atomic, output_errors, write_json_atomic
+from moco_retrieval.contracts.atomic import atomic_write, copy_atomic, link_or_copy_atomic, output_errors, write_json_atomic
 from moco_retrieval.contracts.encoder_format import model_summary
 from moco_retrieval.contracts.errors import ArtifactError, ConfigError, DataError, OutputError
 from moco_retrieval.contracts.filenames import display_name
@@ -107,6 +107,8 @@ class IndexResult:
     world_size: int = 1
     delta_count: int = 0
     removed_count: int = 0
+    not_images: dict = field(default_factory=dict)  # extension -> files of the folder passed over for it
+    reattached: str | None = None     # the folder this index was built from, when this run moved it to image_dir
 
 
 class Stopwatch:
@@ -151,6 +153,8 @@ class _Run:
     shards: WorkShards | None = None
     embedded: int = 0                         # files decoded and embedded by this run
     resumed: int = 0                          # results taken from the shards of an interrupted run
+    not_images: dict[str, int] = field(default_factory=dict)  # what the scan passed over, by extension
+    reattached: str | None = None             # the old image folder, when --reattach moves the index here
 
     @property
     def encoder(self):
@@ -343,6 +347,7 @@ def _plan(run: _Run, labels, scanner, live: str | None) -> None:
             scan = scanner(image_root, labels)
         else:
             scan = scan_folder(image_root, labels)
+    run.not_images = scan.not_images
     if run.embedder is None:
         run.embedder = _open_embedder(cfg, image_root, world)
     encoder = run.encoder
@@ -350,8 +355,13 @@ def _plan(run: _Run, labels, scanner, live: str | None) -> None:
         run.prev_manifest.check_encoder(encoder.sha256, encoder.embedding_dim, encoder.path, str(layout.root),
                                         "pass --rebuild to re-embed everything with it")
         if Path(run.prev_manifest.image_root) != image_root:
-            raise ArtifactError(f"{layout.root} indexes {run.prev_manifest.image_root}, not {image_root}; use "
-                                "another --out, or pass --rebuild to index this folder instead")
+            if not cfg.reattach:
+                raise ArtifactError(f"{layout.root} indexes {run.prev_manifest.image_root}, not {image_root}; pass "
+                                    "--reattach if the folder moved (unchanged files keep their ids and vectors), "
+                                    "--rebuild to index this folder instead, or use another --out")
+            run.reattached = run.prev_manifest.image_root
+            LOG.info("re-attaching %s to %s: files with the same relative path, size and mtime keep their ids",
+                     layout.root, image_root)
     run.base = run.prev_manifest if not cfg.rebuild else None
     with run.clock.phase("plan"):
         store = _open_store(layout.generation(run.previous)) if run.base is not None else None
@@ -496,8 +506,9 @@ def _skipped_list(plan: Plan) -> list[dict]:
 
 
 def _nothing_changed(run: _Run) -> bool:
-    """No file to add, update or remove, and the same unreadable files as the live generation remembers."""
-    if run.plan.todo or run.plan.removed_ids:
+    """No file to add, update or remove, the same folder, and the same unreadable files as the live generation
+    remembers."""
+    if run.plan.todo or run.plan.removed_ids or run.reattached is not None:
         return False
     with _open_store(run.layout.generation(run.previous)) as store:
         return store.skipped() == run.plan.skipped
@@ -760,7 +771,7 @@ def _result(run: _Run, mode: str, manifest: IndexManifest | None = None, changes
         recall_at_10=m.recall_at_10 if m else None, search_params=m.search_params if m else {},
         timings=run.clock.report(), report_path=str(run.layout.report), mode=mode, rank=run.world.rank,
         world_size=run.world.world_size, delta_count=m.delta_count if m else 0,
-        removed_count=m.removed_count if m else 0)
+        removed_count=m.removed_count if m else 0, not_images=run.not_images, reattached=run.reattached)
 
 
 def _write_report(run: _Run, result: IndexResult) -> None:
@@ -784,19 +795,27 @@ def _check_opens(layout: IndexLayout, staging: GenerationPaths) -> None:
 
 
 def _copy_encoder(run: _Run, staging: GenerationPaths) -> None:
-    """Copy the encoder into the generation: a hard link to the previous generation's copy when it is still
-    this model byte for byte (generations are immutable, so they can share the file), else ``--model``, whose
-    sha256 this run checked. The previous copy is hashed again: linked forward unread, a damaged copy made
-    every later generation unopenable."""
-    prev, source = run.prev_manifest, Path(run.encoder.path)
-    if prev is not None and prev.model_sha256 == run.encoder.sha256 and run.previous is not None:
+    """Put the encoder into the generation: a hard link to the previous generation's copy when it is still
+    this model byte for byte (generations are immutable, so they can share the file), else a copy of
+    ``--model`` checked against the sha256 this run embedded with. Never a link to the user's file: a later
+    ``cp other.onnx model.onnx`` would have changed the index's own copy. The previous copy is hashed again:
+    linked forward unread, a damaged copy made every later generation unopenable.
+
+    Raises:
+        ArtifactError: ``--model`` changed while the run embedded with it.
+    """
+    prev, sha256 = run.prev_manifest, run.encoder.sha256
+    if prev is not None and prev.model_sha256 == sha256 and run.previous is not None:
         copy = run.layout.generation(run.previous).encoder
-        if file_sha256(copy) == run.encoder.sha256:
-            source = copy
-        else:
-            LOG.warning("%s is not the model it was copied from (damaged or missing); copying %s instead",
-                        copy, source)
-    link_or_copy_atomic(source, staging.encoder)
+        if file_sha256(copy) == sha256:
+            link_or_copy_atomic(copy, staging.encoder)
+            return
+        LOG.warning("%s is not the model it was copied from (damaged or missing); copying %s instead",
+                    copy, run.encoder.path)
+    copy_atomic(run.encoder.path, staging.encoder)
+    if file_sha256(staging.encoder) != sha256:
+        raise ArtifactError(f"{run.encoder.path} changed while this run embedded with it; run the same command "
+                            "again")
 
 
 def _library_versions() -> dict:

@@ -70,6 +70,9 @@ class IndexConfig:
         None, "RAM the index may take when served, e.g. 8G: auto picks IVF-PQ past it, and keeps IVF-PQ lists on "
               "disk when even they do not fit (default: half this machine's RAM)", "index", metavar="SIZE",
         type=str)
+    reattach: bool = option(False, "the image folder moved (or was renamed): index IMAGE_DIR in place of the one "
+                                   "this index was built from; files with the same relative path, size and mtime "
+                                   "keep their ids and vectors", "updates")
     compact: str = option("auto", "rebuild the index from its live vectors after this update: auto once changes "
                                   "pass 5%% of it, now, or never", "updates", choices=COMPACT_MODES)
     changed_list: str | None = option(None, "update only these files: one relative path per line (added, changed "

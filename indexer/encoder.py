@@ -9,9 +9,13 @@ Imports numpy, Pillow, onnx and onnxruntime only (never torch).
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
+import io
 import logging
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +24,7 @@ from PIL import Image
 from moco_retrieval.contracts.encoder_format import (
     INPUT_NAME,
     OUTPUT_NAME,
+    check_embeddings,
     preprocess_image,
     validate_metadata,
 )
@@ -48,6 +53,22 @@ def _check_file(path: Path) -> None:
         raise ArtifactError(f"encoder not found: {path} (create one with `moco export RUN_DIR --out {path}`)")
     if not path.is_file():
         raise ArtifactError(f"encoder path is not a file: {path}")
+
+
+def _check_graph_shapes(path: Path, input_shape: list, output_shape: list, image_size: int,
+                        embedding_dim: int) -> None:
+    """Refuse a graph whose fixed dimensions disagree with the size and dimension its metadata declares (such a
+    file answered every search with a 500). Symbolic dimensions (the batch) are not checked.
+
+    Raises:
+        ArtifactError: naming the declared and the graph's value.
+    """
+    want_in, want_out = ["N", image_size, image_size, 3], ["N", embedding_dim]
+    for what, shape, want in (("input", input_shape, want_in), ("output", output_shape, want_out)):
+        fixed = [(got, w) for got, w in zip(shape or [], want) if isinstance(got, int) and isinstance(w, int)]
+        if (shape and len(shape) != len(want)) or any(got != w for got, w in fixed):
+            raise ArtifactError(f"{path}'s graph {what} has shape {list(shape)} but its metadata declares "
+                                f"{want}; export it again with `moco export`")
 
 
 def read_encoder_metadata(path: str | os.PathLike) -> dict:
@@ -87,6 +108,26 @@ def _session_options(threads: int, quiet: bool, spin: bool = True):
     return options
 
 
+@functools.cache
+def _preload_cuda_libraries() -> None:
+    """Load the CUDA and cuDNN libraries of the ``nvidia-*`` pip packages before a CUDA session is made: in a
+    process that never imports torch (``moco index``, ``moco serve``) nothing else puts them on the loader's
+    path (``onnxruntime.preload_dlls``, the documented remedy). What it prints about missing libraries goes
+    to the debug log; the session's own check then says whether the provider works."""
+    import onnxruntime as ort
+
+    if not hasattr(ort, "preload_dlls") or (sys.platform == "linux" and not os.path.exists("/dev/nvidiactl")):
+        return  # no NVIDIA driver: nothing to load the libraries for
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(printed):
+            ort.preload_dlls()
+    except Exception as exc:  # a loader error is not ours to raise: the CPU is the fallback
+        LOG.debug("onnxruntime.preload_dlls failed: %s", exc)
+    if printed.getvalue().strip():
+        LOG.debug("onnxruntime.preload_dlls: %s", " ".join(printed.getvalue().split()))
+
+
 def open_session(model: str | os.PathLike | bytes, device: str = "auto", threads: int | None = None,
                  spin: bool = True):
     """An ONNX Runtime session on the GPU when one really works, else on the CPU.
@@ -116,6 +157,7 @@ def open_session(model: str | os.PathLike | bytes, device: str = "auto", threads
     if device in ("auto", "cuda"):
         reason = "this onnxruntime build has no CUDA execution provider"
         if "CUDAExecutionProvider" in ort.get_available_providers():
+            _preload_cuda_libraries()
             quiet = device == "auto"
             if quiet:  # hack: the provider loader logs through the global logger, not the session's
                 ort.set_default_logger_severity(4)
@@ -177,6 +219,8 @@ class OnnxEncoder:
         if [i.name for i in inputs] != [INPUT_NAME] or OUTPUT_NAME not in [o.name for o in outputs]:
             raise ArtifactError(f"{self.path} does not have the encoder's '{INPUT_NAME}' -> '{OUTPUT_NAME}' "
                                 "signature; export it again with `moco export`")
+        _check_graph_shapes(self.path, inputs[0].shape, next(o for o in outputs if o.name == OUTPUT_NAME).shape,
+                            self.image_size, self.embedding_dim)
         LOG.info("encoder %s: %s, %d px, %d-d, on %s", self.path.name, self.metadata["arch"], self.image_size,
                  self.embedding_dim, self.provider)
 
@@ -215,7 +259,7 @@ class OnnxEncoder:
         if batch.shape[0] == 0:
             return np.zeros((0, self.embedding_dim), dtype=np.float32)
         (xb,) = self.session.run([OUTPUT_NAME], {INPUT_NAME: np.ascontiguousarray(batch)})
-        return np.asarray(xb, dtype=np.float32)
+        return check_embeddings(np.asarray(xb, dtype=np.float32), len(batch), self.embedding_dim, str(self.path))
 
     def embed_images(self, images: list) -> np.ndarray:
         """Embed PIL images, paths or encoded bytes: ``len(images)`` items -> float32 ``[N, D]``.

@@ -131,6 +131,17 @@ class IndexDirectory:
         """label -> number of live items carrying it (unlabeled items are not counted)."""
         return dict(self.manifest.labels)
 
+    def label_ids(self, label: str):
+        """Sorted int64 ids of the live items of ``label`` (a range scan of the metadata's ``labels``).
+
+        Raises:
+            ArtifactError: an index built before label filters (rebuild it)."""
+        return self._store.label_ids(label)
+
+    def path_prefix_ids(self, prefix: str):
+        """Sorted int64 ids of the live items whose relative path starts with ``prefix`` (a range scan)."""
+        return self._store.path_prefix_ids(prefix)
+
     def id_of_path(self, path: str) -> int | None:
         """The live id of an image by its path relative to the image folder."""
         return self._store.id_of_path(path)

@@ -7,7 +7,15 @@ Named databases (keys are bytes; ids are 8-byte big-endian so they iterate in id
     sha256      sha256 hex -> [ids]            (live items with that content; the first is the original)
     tombstones  id -> {id, path, sha256, removed_in}   (ids that were live once; never reused)
     skipped     relative path -> {path, bytes, mtime_ns, reason}   (unreadable files, retried when they change)
-    info        "next_id" -> int
+    info        "next_id" -> int; "label_index" -> 1 when ``labels`` holds every live labeled item
+    labels      label + NUL + id -> 1      (live labeled items: a label's ids are one sorted range scan)
+
+``labels`` is maintained by :meth:`MetadataStore.add_items` / :meth:`MetadataStore.remove_items`, which every
+full build, update and compaction runs. Stores written before it existed have no ``labels`` database and no
+``label_index`` flag, and still open; a filter by label refuses them in one line ("rebuild"), because their
+ids could only come from reading every record. A base created by this code sets the flag; an old base never
+gets it from an update or a compaction (their deltas would hold only the items added since), only from
+``moco index --rebuild``.
 
 A generation's metadata has one or two layers, each an LMDB environment that is never written again once
 published:
@@ -59,6 +67,8 @@ LOG = logging.getLogger(__name__)
 INITIAL_MAP_SIZE = 64 << 20  # bytes; grows by doubling as needed
 MAX_DBS = 8
 _DBS = (b"items", b"paths", b"sha256", b"tombstones", b"skipped", b"info")
+_OPTIONAL_DBS = (b"labels",)  # absent from stores written before them (read-only opens then see None)
+LABEL_INDEX = b"label_index"
 WRITE_CHUNK = 10_000  # records per transaction when writing many
 DELETED = b""  # a delta value meaning "deleted since the base" (JSON values are never empty)
 DATA_FILE = "data.mdb"
@@ -128,6 +138,22 @@ def path_key(path: str) -> bytes:
     included); a path longer than LMDB's key limit is keyed by a NUL byte + its sha256 (no path holds a NUL)."""
     raw = encode_name(path)
     return raw if len(raw) <= MAX_KEY_BYTES else b"\0" + hashlib.sha256(raw).digest()
+
+
+def label_key(label: str, item_id: int) -> bytes:
+    """The ``labels`` key of an item: its label's bytes, NUL (no folder name holds one), its 8-byte id."""
+    return encode_name(label) + b"\0" + id_key(item_id)
+
+
+def _optional_dbs(env: lmdb.Environment, create: bool) -> dict:
+    """The optional databases of ``env`` (``None`` where a read-only store predates them)."""
+    out = {}
+    for name in _OPTIONAL_DBS:
+        try:
+            out[name.decode()] = env.open_db(name, create=create)
+        except lmdb.NotFoundError:
+            out[name.decode()] = None
+    return out
 
 
 def _dump(obj) -> bytes:
@@ -230,12 +256,39 @@ class _View:
         self.top.put(key, value, db=self.store._db[db])
 
     def delete(self, db: str, key: bytes) -> None:
-        if self.base is None:
+        if self.base is None or self.store._base_db[db] is None:  # (an optional database the base predates)
             self.top.delete(key, db=self.store._db[db])
         elif self.base.get(key, db=self.store._base_db[db]) is not None:
             self.top.put(key, DELETED, db=self.store._db[db])  # mask the base's value
         else:
             self.top.delete(key, db=self.store._db[db])  # only ever in the delta: gone for good
+
+    def prefixed(self, db: str, prefix: bytes) -> list[tuple[bytes, object]]:
+        """``(key, raw value)`` of every live key of ``db`` that starts with ``prefix``, in key order: a range scan
+        of each layer (the delta's keys override the base's)."""
+        def scan(path, txn, handle) -> list:
+            if txn is None or handle is None:
+                return []
+            out = []
+            try:
+                cursor = txn.cursor(db=handle)
+                ok = cursor.set_range(prefix)
+                while ok:
+                    key = bytes(cursor.key())
+                    if not key.startswith(prefix):
+                        break
+                    out.append((key, bytes(cursor.value())))
+                    ok = cursor.next()
+            except _DAMAGE as exc:
+                raise self.store.damaged(path, exc) from exc
+            return out
+
+        top = scan(self.store.top_path, self.top, self.store._db[db])
+        if self.base is None:
+            return top
+        merged = dict(scan(self.store.path, self.base, self.store._base_db[db]))
+        merged.update(top)
+        return sorted((k, v) for k, v in merged.items() if len(v))
 
     def items(self, db: str, values: bool = True) -> Iterator[tuple[bytes, object]]:
         """``(key, raw value)`` of every live key of ``db`` in key order (values ``None`` when not wanted)."""
@@ -338,9 +391,16 @@ class MetadataStore:
                 self.env = self._open(self.delta_path, readonly)
             opening = self.top_path
             self._db = {name.decode(): self.env.open_db(name, create=not readonly) for name in _DBS}
+            self._db.update(_optional_dbs(self.env, create=not readonly))
             opening = self.path
             self._base_db = ({name.decode(): self._base_env.open_db(name, create=False) for name in _DBS}
                              if self._base_env is not None else None)
+            if self._base_db is not None:
+                self._base_db.update(_optional_dbs(self._base_env, create=False))
+            if (not readonly and not self.layered and self._db.get("labels") is not None
+                    and self._is_empty()):  # a new base: its label index is whole
+                with self.env.begin(write=True) as txn:
+                    txn.put(LABEL_INDEX, _dump(1), db=self._db["info"])
         except lmdb.Error as exc:
             self.close()
             detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
@@ -356,6 +416,11 @@ class MetadataStore:
         except BaseException:
             self.close()
             raise
+
+    def _is_empty(self) -> bool:
+        with self.env.begin() as txn:
+            return (txn.stat(self._db["items"])["entries"] == 0 and txn.stat(self._db["tombstones"])["entries"] == 0
+                    and txn.get(b"next_id", db=self._db["info"]) is None)
 
     def _open(self, path: Path, readonly: bool) -> lmdb.Environment:
         if not readonly:
@@ -490,6 +555,41 @@ class MetadataStore:
             return np.fromiter((int.from_bytes(k, "big") for k, _ in view.items("items", values=False)),
                                dtype=np.int64)
 
+    @property
+    def has_label_index(self) -> bool:
+        """Whether :meth:`label_ids` can answer (a store written with the ``labels`` database from its base on)."""
+        return self._db.get("labels") is not None and bool(self._get("info", LABEL_INDEX))
+
+    @_reads
+    def label_ids(self, label: str) -> np.ndarray:
+        """Sorted int64 ids of the live items of ``label``: one range scan of the ``labels`` database.
+
+        Raises:
+            ArtifactError: a store written before label filters existed (rebuild it).
+        """
+        if not self.has_label_index:
+            raise ArtifactError(f"index metadata {self.top_path} was built before label filters; rebuild it with "
+                                "`moco index --rebuild` to filter by label")
+        prefix = encode_name(label) + b"\0"
+        with self._read() as view:
+            keys = [k for k, _ in view.prefixed("labels", prefix)]
+        return np.fromiter((int.from_bytes(k[-8:], "big") for k in keys), dtype=np.int64, count=len(keys))
+
+    @_reads
+    def path_prefix_ids(self, prefix: str) -> np.ndarray:
+        """Sorted int64 ids of the live items whose relative path starts with ``prefix``: a range scan of the
+        ``paths`` database (plus the few paths too long to be keys, keyed by their hash)."""
+        raw = encode_name(prefix)
+        if not raw:
+            raise ValueError("an empty path prefix selects everything; pass no prefix instead")
+        with self._read() as view:
+            ids = [_load(v) for _, v in view.prefixed("paths", raw)]
+            for _, value in view.prefixed("paths", b"\0"):  # long paths: the record has the path
+                item_id = _load(value)
+                if _load(view.get("items", id_key(item_id)))["path"].startswith(prefix):
+                    ids.append(item_id)
+        return np.unique(np.asarray(ids, dtype=np.int64))
+
     @_reads
     def iter_records(self) -> Iterator[dict]:
         """All live records in id order."""
@@ -535,6 +635,8 @@ class MetadataStore:
             raise IndexBuildError(f"metadata store {self.path} has no live item {item_id} to remove; "
                                   "rebuild with `moco index --rebuild`")
         view.delete("items", key)
+        if rec.get("label") is not None and self._db.get("labels") is not None:
+            view.delete("labels", label_key(rec["label"], item_id))
         view.put("tombstones", key, _dump({"id": item_id, "path": rec["path"], "sha256": rec["sha256"],
                                            "removed_in": generation}))
         if _load(view.get("paths", path_key(rec["path"]))) == item_id:
@@ -572,6 +674,8 @@ class MetadataStore:
         same = _load(view.get("sha256", sha_key)) or []
         rec = dict(rec, duplicate_of=same[0] if same else None)
         view.put("items", key, _dump(rec))
+        if rec.get("label") is not None and self._db.get("labels") is not None:
+            view.put("labels", label_key(rec["label"], rec["id"]), _dump(1))
         view.put("paths", path_key(rec["path"]), _dump(rec["id"]))
         view.put("sha256", sha_key, _dump(same + [rec["id"]]))
         next_id = _load(view.get("info", b"next_id")) or 0
@@ -604,7 +708,9 @@ def materialize(base: Path, delta: Path, out: Path) -> None:
     """
     copy_store(base, out)
     with MetadataStore(out, readonly=False) as target, MetadataStore(delta) as source:
-        for db in (name.decode() for name in _DBS):
+        for db in (name.decode() for name in _DBS + _OPTIONAL_DBS):
+            if source._db.get(db) is None or target._db.get(db) is None:
+                continue
             with source._read() as view:
                 entries = [(k, bytes(v)) for k, v in _raw_items(view, db)]
             for start in range(0, len(entries), WRITE_CHUNK):

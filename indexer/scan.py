@@ -14,7 +14,7 @@ from __future__ import annotations
 import csv
 import logging
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from moco_retrieval.contracts.errors import ConfigError, DataError
@@ -28,6 +28,7 @@ class ScanResult:
     root: Path
     entries: list[FoundFile]         # the readable ones (no skip reason), labels as this scan gives them
     skipped: list[tuple[str, str]]  # (relative path, reason) for files that cannot even be stat'ed
+    not_images: dict[str, int] = field(default_factory=dict)  # extension -> files passed over for it
 
 
 def read_labels_csv(path: str | os.PathLike) -> dict[str, str]:
@@ -65,12 +66,24 @@ def scan_folder(root: str | os.PathLike, labels: dict[str, str] | None = None) -
     root = Path(root)
     entries: list[FoundFile] = []
     skipped: list[tuple[str, str]] = []
-    for found in walk_image_files(root, confine=True):
+    not_images: dict[str, int] = {}
+    for found in walk_image_files(root, confine=True, not_images=not_images):
         if found.skip_reason is not None:
             skipped.append((found.path, found.skip_reason))
             continue
         entries.append(found if labels is None else replace(found, label=labels.get(found.path)))
     if not entries:
-        raise DataError(f"no image files in {root}; expected files ending in {', '.join(IMAGE_EXTENSIONS)}")
+        raise DataError(f"no image files in {root}; expected files ending in {', '.join(IMAGE_EXTENSIONS)}"
+                        + (f" (found {describe_not_images(not_images)})" if not_images else ""))
     LOG.info("scanned %s: %d image files", root, len(entries))
-    return ScanResult(root=root, entries=entries, skipped=skipped)
+    return ScanResult(root=root, entries=entries, skipped=skipped, not_images=dict(sorted(not_images.items())))
+
+
+def describe_not_images(not_images: dict[str, int], most: int = 5) -> str:
+    """``{".txt": 10, ".json": 2}`` -> ``"12 other files: 10 .txt, 2 .json"`` (the ``most`` commonest)."""
+    total = sum(not_images.values())
+    common = sorted(not_images.items(), key=lambda kv: (-kv[1], kv[0]))
+    parts = [f"{n} {ext or '(no extension)'}" for ext, n in common[:most]]
+    if len(common) > most:
+        parts.append("...")
+    return f"{total} other file{'s' if total != 1 else ''}: {', '.join(parts)}"

@@ -34,6 +34,7 @@ import numpy as np
 from moco_retrieval.contracts.encoder_format import model_summary, preprocess_image
 from moco_retrieval.contracts.errors import (
     ArtifactError,
+    BatchTooLargeError,
     ConfigError,
     DataError,
     MocoError,
@@ -47,10 +48,14 @@ from moco_retrieval.indexer.layout import current_generation
 from moco_retrieval.serve.batching import MicroBatcher
 from moco_retrieval.serve.files import open_indexed_file
 from moco_retrieval.serve.generation import ServedGeneration
+from moco_retrieval.serve.search_filter import SearchFilter  # noqa: F401 (part of the engine's API)
 
 LOG = logging.getLogger(__name__)
 
 MAX_K = 1000
+MAX_QUERIES = 64  # images or ids one batch request may hold: 64 of the largest uploads is 2 GiB, past the budget
+DUPLICATE_THRESHOLD = 0.95  # cosine similarity at which two images count as near-duplicates (moco duplicates too)
+THRESHOLD_FIRST_K = 100  # a min_score search first asks for this many; most thresholds are answered by it
 
 
 @dataclass
@@ -79,7 +84,10 @@ class EngineConfig:
     decode_slots: int | None = None
     poll_seconds: float = option(1.0, "how often to check INDEX_DIR for a newly published index, in seconds (0: "
                                  "never)", "index")
-    max_k: int = MAX_K          # the largest k a query may ask for
+    max_k: int = MAX_K          # the largest k a query may ask for (and what a min_score search returns at most)
+    knn_k: int = option(KNN_K, "neighbours that vote when classifying (the API's and the web app's default k of "
+                        "classify)", "search")
+    max_queries: int = option(MAX_QUERIES, "most images or ids in one batch request (more: 413)", "search")
     # FAISS OpenMP threads of the threads that search (None leaves FAISS's default). Queries come one micro-batch at a
     # time, where starting an OpenMP team costs more than it saves: measured 12 ms vs 0.5 ms per single
     # query on a 2,000-item flat index with 2 busy cores. Raise it for big batches on large IVF/HNSW indexes.
@@ -95,6 +103,10 @@ class EngineConfig:
             raise ConfigError("max_wait_ms and poll_seconds must not be negative")
         if self.max_k < 1:
             raise ConfigError(f"max_k must be at least 1, got {self.max_k}")
+        if not 1 <= self.knn_k <= self.max_k:
+            raise ConfigError(f"--knn-k must be from 1 to {self.max_k}, got {self.knn_k}")
+        if self.max_queries < 1:
+            raise ConfigError(f"--max-queries must be at least 1, got {self.max_queries}")
         if self.faiss_threads is not None and self.faiss_threads < 1:
             raise ConfigError(f"faiss_threads must be at least 1, got {self.faiss_threads}")
         if self.decode_slots is not None and self.decode_slots < 1:
@@ -294,6 +306,29 @@ class SearchEngine:
         if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= self.config.max_k:
             raise ConfigError(f"k must be an integer from 1 to {self.config.max_k}, got {k!r}")
 
+    def resolve_k(self, k: int | None, min_score: float | None) -> int:
+        """The checked ``k`` of a query: as given, else ``SEARCH_K``, or ``max_k`` for a threshold search (every
+        item above ``min_score``, at most ``max_k``).
+
+        Raises:
+            ConfigError: k out of range, or min_score not a number in [-1, 1].
+        """
+        if min_score is not None:
+            if (isinstance(min_score, bool) or not isinstance(min_score, (int, float, np.floating))
+                    or not -1.0 <= float(min_score) <= 1.0):
+                raise ConfigError(f"min_score must be a number from -1 to 1 (a cosine similarity), got {min_score!r}")
+        k = (SEARCH_K if min_score is None else self.config.max_k) if k is None else k
+        self._check_k(k)
+        return k
+
+    def check_batch(self, n: int, what: str) -> None:
+        """Raises DataError for an empty batch, BatchTooLargeError past ``max_queries``."""
+        if n == 0:
+            raise DataError(f"no query {what} given; send 1 to {self.config.max_queries}")
+        if n > self.config.max_queries:
+            raise BatchTooLargeError(f"{n} query {what} in one request; the limit is {self.config.max_queries} "
+                                     "(split the batch, or raise --max-queries)")
+
     def _decode(self, gen: ServedGeneration, images: list) -> np.ndarray:
         """Images (bytes, paths or PIL) -> uint8 ``[n, H, W, 3]`` for ``gen``'s encoder, one decode slot each."""
         if not images:
@@ -316,30 +351,63 @@ class SearchEngine:
         return list(zip(xq, D, I)), {"embed": toc - tic, "search": time.perf_counter() - toc}
 
     @staticmethod
-    def _fetch_k(gen: ServedGeneration, k: int) -> int:
-        # a little deeper than k, so that ids dropped as tombstones (or the query itself) leave k behind
+    def _fetch_k(gen: ServedGeneration, k: int, min_score: float | None = None) -> int:
+        # a little deeper than k, so that ids dropped as tombstones (or the query itself) leave k behind; a
+        # threshold search starts smaller and goes deeper only when its last result is still above the threshold
+        if min_score is not None:
+            k = min(k, THRESHOLD_FIRST_K)
         return min(max(1, gen.ntotal), k + max(4, k // 4))
 
     def _hits(self, gen: ServedGeneration, xq: np.ndarray, D: np.ndarray, I: np.ndarray, k: int,
-              exclude: int | None = None) -> list[dict]:
-        """The first ``k`` live neighbours from ``(D, I)``, searching deeper while tombstones ate some."""
+              exclude: int | None = None, min_score: float | None = None, flt: SearchFilter | None = None,
+              idf=None) -> list[dict]:
+        """The first ``k`` live neighbours from ``(D, I)``, searching deeper while tombstones (or the size range
+        of ``flt``) ate some.
+
+        With ``min_score``: every live neighbour scoring at least ``min_score`` (at most ``k``): a FAISS range
+        search where the index type answers one (flat, IVF with its tuned nprobe, HNSW scanned exactly over its
+        flat storage, since HNSW's own beam misses most of a large result), else a k doubled while the last
+        result is still above the threshold (IVF-PQ re-ranked, GPU copies, custom factory strings, filters).
+        With ``idf`` (the id filter of ``flt``): ``(D, I)`` are searched again with it.
+        """
+        def deeper(depth: int):
+            return tuple(row[0] for row in gen.search(xq[None], depth, idf))
+
         fetched = len(I)
+        if idf is not None:
+            D, I = deeper(fetched)
+        if min_score is not None and gen.can_range_search and idf is None:
+            D, I = gen.range_search(xq, min_score)
+            fetched = gen.ntotal
+        while min_score is not None and fetched < gen.ntotal:
+            found = I >= 0
+            above = int(np.count_nonzero(found & (D >= min_score)))
+            # (-1 pads do not mean the index is exhausted: a filtered HNSW search returns fewer than k)
+            if not above or D[found][-1] < min_score or above >= self._fetch_k(gen, k) + 1:
+                break  # the index has nothing more above the threshold (or already more than k of it)
+            fetched = min(gen.ntotal, 2 * fetched)
+            D, I = deeper(fetched)
         while True:
-            ids = [int(i) for i in I if i >= 0 and i != exclude]
+            keep = (I >= 0) if min_score is None else (I >= 0) & (D >= min_score)
+            ids = [int(i) for i in I[keep] if i != exclude]
             records = gen.directory.records(ids)
             score = {int(i): float(s) for s, i in zip(D, I)}
-            hits = [dict(rec, score=score[rec["id"]]) for rec in records if rec is not None]
-            if len(hits) >= k or fetched >= gen.ntotal:
+            hits = [dict(rec, score=score[rec["id"]]) for rec in records
+                    if rec is not None and (flt is None or flt.accepts(rec))]
+            if len(hits) >= k or fetched >= gen.ntotal or (min_score is not None and not (flt and flt.sized)):
                 return hits[:k]
+            if min_score is not None and len(I) and I[-1] >= 0 and D[-1] < min_score:
+                return hits[:k]  # deeper would only find items below the threshold
             fetched = min(gen.ntotal, 2 * fetched)
-            D, I = (row[0] for row in gen.search(xq[None], fetched))
+            D, I = deeper(fetched)
 
-    def _results(self, gen: ServedGeneration, out, n: int, k: int, t0: float, t1: float,
-                 t2: float) -> list[SearchResult]:
+    def _results(self, gen: ServedGeneration, out, n: int, k: int, min_score: float | None, t0: float, t1: float,
+                 t2: float, flt: SearchFilter | None = None) -> list[SearchResult]:
         """The batch's rows -> results: read the hits' records, attach the phase timings."""
         results = []
+        idf = gen.id_filter(flt)
         for xq, D, I in out.value:
-            hits = self._hits(gen, xq, D, I, k)
+            hits = self._hits(gen, xq, D, I, k, min_score=min_score, flt=flt, idf=idf)
             timings = {"decode": (t1 - t0) / n, "queue": out.queued, **out.seconds}
             results.append(SearchResult(hits, gen.name, timings, out.batch_rows))
         t3 = time.perf_counter()
@@ -349,16 +417,19 @@ class SearchEngine:
         self._count(n)
         return results
 
-    def _neighbours(self, images: list, k: int) -> list[SearchResult]:
+    def _neighbours(self, images: list, k: int, min_score: float | None = None,
+                    flt: SearchFilter | None = None) -> list[SearchResult]:
         """Decode in this thread, embed + search in a micro-batch, read the records in this thread."""
         with self._generation() as gen:
             t0 = time.perf_counter()
             rows = self._decode(gen, images)
             t1 = time.perf_counter()
-            out = self._batcher.submit(gen, rows, self._fetch_k(gen, k)).result()
-            return self._results(gen, out, len(images), k, t0, t1, time.perf_counter())
+            gen.id_filter(flt)  # an unknown label fails before the encoder runs
+            out = self._batcher.submit(gen, rows, self._fetch_k(gen, k, min_score)).result()
+            return self._results(gen, out, len(images), k, min_score, t0, t1, time.perf_counter(), flt)
 
-    async def _neighbours_async(self, images: list, k: int) -> list[SearchResult]:
+    async def _neighbours_async(self, images: list, k: int, min_score: float | None = None,
+                                flt: SearchFilter | None = None) -> list[SearchResult]:
         """Decode on a decode thread, which hands the rows straight to the batcher; the batch's end wakes the
         event loop once (one loop wake-up per request instead of two: measured +6% requests/s at 8 clients),
         which reads the records (LMDB reads of a published store: memory-mapped, lock-free, microseconds).
@@ -367,8 +438,13 @@ class SearchEngine:
         cancelled (the threads still use its encoder and index)."""
         loop = asyncio.get_running_loop()
         gen = self._acquire()
+        try:
+            gen.id_filter(flt)  # an unknown label fails before anything is decoded
+        except BaseException:
+            gen.release()
+            raise
         t0 = time.perf_counter()
-        fetch_k = self._fetch_k(gen, k)
+        fetch_k = self._fetch_k(gen, k, min_score)
         done = loop.create_future()
         state = {"over": False, "abandoned": False}
         lock = threading.Lock()
@@ -405,38 +481,43 @@ class SearchEngine:
         try:
             if t1 is None:
                 raise got
-            return self._results(gen, got.result(), len(images), k, t0, t1, time.perf_counter())
+            return self._results(gen, got.result(), len(images), k, min_score, t0, t1, time.perf_counter(), flt)
         finally:
             gen.release()
 
-    def search(self, images: list, k: int = SEARCH_K) -> list[SearchResult]:
-        """The ``k`` nearest items to each query image.
+    def search(self, images: list, k: int | None = None, min_score: float | None = None,
+               flt: SearchFilter | None = None) -> list[SearchResult]:
+        """The ``k`` nearest items to each query image, or every item scoring at least ``min_score``.
 
         Args:
             images: encoded image bytes, image file paths or PIL images (n of them).
-            k: neighbours per query, 1 to ``config.max_k`` (fewer come back when the index holds fewer).
+            k: neighbours per query, 1 to ``config.max_k`` (fewer come back when the index holds fewer);
+                default ``SEARCH_K``, or ``max_k`` with ``min_score`` (then a cap, not a count).
+            min_score: keep only neighbours with a cosine similarity of at least this, in [-1, 1].
+            flt: only items this :class:`SearchFilter` allows.
 
         Returns:
             n :class:`SearchResult`, in query order.
 
         Raises:
             DataError: an image that does not decode (corrupt, truncated, not an image, too large).
-            ConfigError: k out of range.
+            ConfigError: k or min_score out of range, an unknown label (named, with those that exist).
         """
-        self._check_k(k)
-        return self._neighbours(images, k)
+        k = self.resolve_k(k, min_score)
+        return self._neighbours(images, k, min_score, flt)
 
-    def search_vectors(self, xq: np.ndarray, k: int = SEARCH_K) -> list[SearchResult]:
-        """The ``k`` nearest items to each query vector.
+    def search_vectors(self, xq: np.ndarray, k: int | None = None, min_score: float | None = None,
+                       flt: SearchFilter | None = None) -> list[SearchResult]:
+        """The ``k`` nearest items to each query vector (``min_score``: as in :meth:`search`).
 
         Args:
             xq: float32 ``[n, D]``, L2-normalized rows (as the index's encoder makes them); ``D`` is the
                 index's dimension.
 
         Raises:
-            DataError: not a finite ``[n, D]`` array of unit rows. ConfigError: k out of range.
+            DataError: not a finite ``[n, D]`` array of unit rows. ConfigError: k or min_score out of range.
         """
-        self._check_k(k)
+        k = self.resolve_k(k, min_score)
         xq = np.asarray(xq, dtype=np.float32)
         with self._generation() as gen:
             d = gen.manifest.embedding_dim
@@ -447,49 +528,83 @@ class SearchEngine:
                 raise DataError("query vectors must be finite and L2-normalized (unit rows), as the encoder makes "
                                 "them")
             t0 = time.perf_counter()
-            D, I = gen.search(np.ascontiguousarray(xq), self._fetch_k(gen, k))
+            idf = gen.id_filter(flt)
+            D, I = gen.search(np.ascontiguousarray(xq), self._fetch_k(gen, k, min_score), idf)
             t1 = time.perf_counter()
-            results = [SearchResult(self._hits(gen, q, d_row, i_row, k), gen.name, {}, len(xq))
-                       for q, d_row, i_row in zip(xq, D, I)]
+            results = [SearchResult(self._hits(gen, q, d_row, i_row, k, min_score=min_score, flt=flt, idf=idf),
+                                    gen.name, {}, len(xq)) for q, d_row, i_row in zip(xq, D, I)]
             t2 = time.perf_counter()
         for res in results:
             res.timings = {"search": (t1 - t0) / len(xq), "metadata": (t2 - t1) / len(xq), "total": (t2 - t0) / len(xq)}
         self._count(len(xq))
         return results
 
-    def search_by_id(self, item_id: int, k: int = SEARCH_K) -> SearchResult:
-        """The ``k`` nearest items to an indexed item (the item itself left out).
-
-        Raises:
-            UnknownItemError: no live item ``item_id``. ConfigError: k out of range.
-        """
-        self._check_k(k)
-        with self._generation() as gen:
-            t0 = time.perf_counter()
-            query = self._record(gen, item_id)
-            xq = gen.vector(item_id)
-            if xq is None:  # this index type cannot return stored vectors: embed the item's image again
-                f, _ = open_indexed_file(gen.manifest.image_root, query)
-                with f:
-                    data = f.read()
-                xq = gen.encoder.embed(self._decode(gen, [data]))[0]
-            t1 = time.perf_counter()
-            D, I = gen.search(xq[None], self._fetch_k(gen, k + 1))
-            t2 = time.perf_counter()
-            hits = self._hits(gen, xq, D[0], I[0], k, exclude=int(item_id))
-            t3 = time.perf_counter()
-        self._count(1)
+    def _by_id(self, gen: ServedGeneration, item_id: int, k: int, min_score: float | None,
+               flt: SearchFilter | None = None, idf=None) -> SearchResult:
+        t0 = time.perf_counter()
+        query = self._record(gen, item_id)
+        xq = gen.vector(item_id)
+        if xq is None:  # this index type cannot return stored vectors: embed the item's image again
+            f, _ = open_indexed_file(gen.manifest.image_root, query)
+            with f:
+                data = f.read()
+            xq = gen.encoder.embed(self._decode(gen, [data]))[0]
+        t1 = time.perf_counter()
+        D, I = gen.search(xq[None], self._fetch_k(gen, k + 1, min_score), idf)
+        t2 = time.perf_counter()
+        hits = self._hits(gen, xq, D[0], I[0], k, exclude=int(item_id), min_score=min_score, flt=flt, idf=idf)
+        t3 = time.perf_counter()
         timings = {"decode": 0.0, "queue": 0.0, "embed": t1 - t0, "search": t2 - t1, "metadata": t3 - t2,
                    "total": t3 - t0}
         return SearchResult(hits, gen.name, timings, 1, query=query)
 
-    def search_async(self, images: list, k: int = SEARCH_K):
+    def search_by_id(self, item_id: int, k: int | None = None, min_score: float | None = None,
+                     flt: SearchFilter | None = None) -> SearchResult:
+        """The ``k`` nearest items to an indexed item (the item itself left out); ``min_score`` as in
+        :meth:`search`.
+
+        Raises:
+            UnknownItemError: no live item ``item_id``. ConfigError: k or min_score out of range.
+        """
+        (res,) = self.search_by_ids([item_id], k, min_score, flt)
+        return res
+
+    def search_by_ids(self, item_ids: list[int], k: int | None = None, min_score: float | None = None,
+                      flt: SearchFilter | None = None) -> list[SearchResult]:
+        """:meth:`search_by_id` for several items, answered in their order from one generation.
+
+        Raises:
+            UnknownItemError: one of the ids is not a live item (named). DataError: no ids.
+            BatchTooLargeError: more than ``max_queries`` ids. ConfigError: k or min_score out of range.
+        """
+        k = self.resolve_k(k, min_score)
+        self.check_batch(len(item_ids), "ids")
+        with self._generation() as gen:
+            idf = gen.id_filter(flt)
+            results = [self._by_id(gen, int(i), k, min_score, flt, idf) for i in item_ids]
+        self._count(len(results))
+        return results
+
+    def duplicates(self, item_id: int, threshold: float = DUPLICATE_THRESHOLD) -> SearchResult:
+        """The near-duplicates of an indexed item: every other item scoring at least ``threshold`` with it (at
+        most ``max_k``), as ``moco duplicates`` pairs them.
+
+        Raises:
+            UnknownItemError: no live item ``item_id``. ConfigError: threshold not in [-1, 1].
+        """
+        return self.search_by_id(item_id, None, threshold)
+
+    def search_async(self, images: list, k: int | None = None, min_score: float | None = None,
+                     flt: SearchFilter | None = None):
         """:meth:`search` for an asyncio caller: a coroutine that decodes on the engine's decode threads and
         awaits the micro-batch without holding a thread (the HTTP API)."""
-        self._check_k(k)
-        return self._neighbours_async(images, k)
+        k = self.resolve_k(k, min_score)
+        return self._neighbours_async(images, k, min_score, flt)
 
-    def _check_classify(self, k: int, temperature: float) -> None:
+    def _check_classify(self, k: int | None, temperature: float | None) -> tuple[int, float]:
+        """The checked ``(k, temperature)`` of a vote (defaults: ``config.knn_k``, ``KNN_TEMPERATURE``)."""
+        k = self.config.knn_k if k is None else k
+        temperature = KNN_TEMPERATURE if temperature is None else temperature
         self._check_k(k)
         if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
             raise ConfigError(f"temperature must be a positive number, got {temperature!r}")
@@ -497,6 +612,7 @@ class SearchEngine:
             if not gen.labels():
                 raise ArtifactError(f"index {self.index_dir} has no labels to vote with; index a folder with one "
                                     "subfolder per class to classify")
+        return k, temperature
 
     @staticmethod
     def _votes(results: list[SearchResult], temperature: float) -> list[Classification]:
@@ -508,21 +624,28 @@ class SearchEngine:
             out.append(Classification(label, probs, res.hits, res.generation, res.timings, res.batch_size))
         return out
 
-    def classify(self, images: list, k: int = KNN_K,
-                 temperature: float = KNN_TEMPERATURE) -> list[Classification]:
-        """k-NN classification: the labels of the ``k`` nearest items vote with weights ``exp(s / T)``.
+    def classify(self, images: list, k: int | None = None,
+                 temperature: float | None = None) -> list[Classification]:
+        """k-NN classification: the labels of the ``k`` nearest items (default ``config.knn_k``, the one default of
+        the CLI, the API and the web app) vote with weights ``exp(s / T)``.
 
         Raises:
             ArtifactError: the index has no labeled items (index a folder with one subfolder per class).
             DataError: an image that does not decode. ConfigError: k or temperature out of range.
         """
-        self._check_classify(k, temperature)
+        k, temperature = self._check_classify(k, temperature)
         return self._votes(self._neighbours(images, k), temperature)
 
-    async def classify_async(self, images: list, k: int = KNN_K,
-                             temperature: float = KNN_TEMPERATURE) -> list[Classification]:
+    def classify_by_id(self, item_id: int, k: int | None = None, temperature: float | None = None) -> Classification:
+        """:meth:`classify` of an indexed item by its stored vector (the item itself does not vote)."""
+        k, temperature = self._check_classify(k, temperature)
+        (out,) = self._votes([self.search_by_id(item_id, k)], temperature)
+        return out
+
+    async def classify_async(self, images: list, k: int | None = None,
+                             temperature: float | None = None) -> list[Classification]:
         """:meth:`classify` for an asyncio caller (see :meth:`search_async`)."""
-        self._check_classify(k, temperature)
+        k, temperature = self._check_classify(k, temperature)
         return self._votes(await self._neighbours_async(images, k), temperature)
 
     # -- items and statistics ----------------------------------------------------------------------------------

@@ -17,7 +17,8 @@ from pathlib import Path
 import faiss
 import numpy as np
 
-from moco_retrieval.contracts.errors import ArtifactError
+from moco_retrieval.contracts.errors import ArtifactError, ConfigError
+from moco_retrieval.indexer.filters import IdFilter
 from moco_retrieval.indexer.encoder import OnnxEncoder
 from moco_retrieval.indexer.factory import Factory
 from moco_retrieval.indexer.index_dir import IndexDirectory
@@ -32,6 +33,8 @@ LOG = logging.getLogger(__name__)
 # "IVF256,SQ8") only approximate them. Past the slack a result is damage, never served.
 SCORE_SLACK = 1e-3
 LOSSY_SCORE_SLACK = 0.5
+
+FILTER_CACHE = 64  # label / path-prefix bitmaps kept per generation (125 KB each per million ids)
 
 _shared_lock = threading.Lock()
 _shared: dict[tuple[str, str], list] = {}  # (index dir, generation) -> [IndexDirectory, users]
@@ -91,6 +94,8 @@ class ServedGeneration:
         self._retired = False
         self._closed = False
         self._labels: dict[str, int] | None = None
+        self._filters_lock = threading.Lock()
+        self._filter_bits: dict[tuple[str, str], np.ndarray] = {}  # (kind, key) -> bits, least recently used first
         exact = (Factory.parse(self.manifest.factory).kind in ("flat", "hnsw", "ivf")
                  or "refine" in self.manifest.search_params)
         self._score_slack = SCORE_SLACK if exact else LOSSY_SCORE_SLACK
@@ -174,8 +179,57 @@ class ServedGeneration:
     def ntotal(self) -> int:
         return int(self.directory.index.ntotal)
 
-    def search(self, xq: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """Inner-product search: ``xq`` float32 ``[n, d]`` -> ``(D, I)`` float32 / int64 ``[n, k]`` (-1 pads).
+    def _id_bits(self, kind: str, key: str, read) -> np.ndarray:
+        """A cached bool ``[next_id]`` of the ids ``read()`` returns (a label's, a path prefix's): this generation's
+        ids never change, so each is read from LMDB once, not per request."""
+        with self._filters_lock:
+            bits = self._filter_bits.get((kind, key))
+            if bits is not None:
+                self._filter_bits[(kind, key)] = self._filter_bits.pop((kind, key))  # most recently used last
+                return bits
+        bits = np.zeros(int(self.manifest.next_id), dtype=bool)
+        ids = read()
+        bits[ids[(ids >= 0) & (ids < len(bits))]] = True
+        with self._filters_lock:
+            self._filter_bits[(kind, key)] = bits
+            while len(self._filter_bits) > FILTER_CACHE:
+                self._filter_bits.pop(next(iter(self._filter_bits)))
+        return bits
+
+    def id_filter(self, flt) -> "IdFilter | None":
+        """The :class:`~indexer.filters.IdFilter` of a :class:`~serve.engine.SearchFilter` (``None`` when it
+        restricts no id: no label, no prefix, nothing excluded).
+
+        Raises:
+            ConfigError: a label this index does not have (the message names those it has).
+            ArtifactError: a label filter on an index built before label filters (rebuild it).
+        """
+        if flt is None or not (flt.labels or flt.path_prefix or flt.exclude):
+            return None
+        next_id = int(self.manifest.next_id)
+        bits = None
+        if flt.labels:
+            known = self.labels()
+            unknown = [label for label in flt.labels if label not in known]
+            if unknown:
+                raise ConfigError(f"unknown label {', '.join(map(repr, unknown))}; the labels of this index: "
+                                  f"{', '.join(sorted(known)) or 'none (unlabeled corpus)'}")
+            bits = np.zeros(next_id, dtype=bool)
+            for label in flt.labels:
+                bits |= self._id_bits("label", label, lambda label=label: self.directory.label_ids(label))
+        if flt.path_prefix:
+            prefix = self._id_bits("prefix", flt.path_prefix,
+                                   lambda: self.directory.path_prefix_ids(flt.path_prefix))
+            bits = prefix.copy() if bits is None else bits & prefix
+        if bits is None:
+            bits = np.ones(next_id, dtype=bool)
+        exclude = np.asarray(flt.exclude, dtype=np.int64)
+        bits[exclude[(exclude >= 0) & (exclude < next_id)]] = False
+        return IdFilter.of_bits(bits)
+
+    def search(self, xq: np.ndarray, k: int, filt: "IdFilter | None" = None) -> tuple[np.ndarray, np.ndarray]:
+        """Inner-product search: ``xq`` float32 ``[n, d]`` -> ``(D, I)`` float32 / int64 ``[n, k]`` (-1 pads);
+        only ids of ``filt`` when given.
 
         Raises:
             ArtifactError: a result no intact index can give (see :meth:`_check_results`).
@@ -184,8 +238,28 @@ class ServedGeneration:
         with self._faiss_lock:
             if self.faiss_threads is not None:  # an OpenMP setting is per calling thread: set it in this one
                 faiss.omp_set_num_threads(self.faiss_threads)
-            D, I = self.directory.index.search(np.ascontiguousarray(xq, dtype=np.float32), k)
+            xq = np.ascontiguousarray(xq, dtype=np.float32)
+            D, I = (self.directory.index.search(xq, k) if filt is None else
+                    self.directory.index.search(xq, k, filt))
         self._check_results(D, I)
+        return D, I
+
+    @property
+    def can_range_search(self) -> bool:
+        """Whether :meth:`range_search` is exact here (see ``LayeredIndex.can_range_search``)."""
+        return bool(getattr(self.directory.index, "can_range_search", False))
+
+    def range_search(self, xq: np.ndarray, radius: float) -> tuple[np.ndarray, np.ndarray]:
+        """Every item scoring at least ``radius`` with the one query ``xq`` float32 ``[d]``: ``(D, I)``, best first.
+
+        Raises:
+            ArtifactError: a result no intact index can give (see :meth:`_check_results`).
+        """
+        with self._faiss_lock:
+            if self.faiss_threads is not None:
+                faiss.omp_set_num_threads(self.faiss_threads)
+            ((D, I),) = self.directory.index.range_search(np.ascontiguousarray(xq[None], dtype=np.float32), radius)
+        self._check_results(D[None], I[None])
         return D, I
 
     def _check_results(self, D: np.ndarray, I: np.ndarray) -> None:

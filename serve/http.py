@@ -2,11 +2,13 @@
 
 Endpoints (all under ``/api``; the OpenAPI page is ``/docs``)::
 
-    POST /api/search              multipart field ``image``; query ``k``      -> neighbours
+    POST /api/search              multipart field ``image`` (repeat it: a batch); ``k``, ``min_score`` -> neighbours
+    POST /api/search/ids          JSON ``{"ids": [...]}``; ``k``, ``min_score``  -> neighbours of each item
     POST /api/classify            multipart field ``image``; ``k``, ``temperature`` -> k-NN label vote
     GET  /api/items/{id}          the item's record
     GET  /api/items/{id}/image    the item's image file
-    GET  /api/items/{id}/neighbors?k=   neighbours of an indexed item
+    GET  /api/items/{id}/neighbors?k=&min_score=   neighbours of an indexed item
+    GET  /api/items/{id}/duplicates?threshold=   its near-duplicates (every item at least that similar)
     GET  /api/health              liveness and the live generation
     GET  /api/stats               items, labels, model, index type, recall@10
 
@@ -29,7 +31,7 @@ import logging
 import mimetypes
 import os
 
-from fastapi import FastAPI, File, Query, Request, UploadFile
+from fastapi import Depends, FastAPI, File, Form, Query, Request, UploadFile
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
@@ -38,8 +40,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from moco_retrieval.contracts.errors import DataError, MocoError, UploadTooLargeError
 from moco_retrieval.contracts.filenames import display_name
-from moco_retrieval.contracts.knn import KNN_K, KNN_TEMPERATURE, SEARCH_K
-from moco_retrieval.serve.engine import EngineConfig, SearchEngine
+from moco_retrieval.contracts.knn import KNN_K, KNN_TEMPERATURE
+from moco_retrieval.serve.engine import DUPLICATE_THRESHOLD, EngineConfig, SearchEngine
 
 LOG = logging.getLogger(__name__)
 
@@ -75,10 +77,22 @@ class Item(_Record):
 class SearchResponse(BaseModel):
     generation: str
     k: int
+    min_score: float | None = None
     results: list[Hit]
     timings: dict[str, float]
     batch_size: int
     query: Item | None = None
+
+
+class BatchSearchResponse(BaseModel):
+    generation: str
+    k: int
+    min_score: float | None = None
+    responses: list[SearchResponse]
+
+
+class IdsRequest(BaseModel):
+    ids: list[int]
 
 
 class ClassifyResponse(BaseModel):
@@ -102,6 +116,44 @@ class ErrorBody(BaseModel):
 
 
 _ERRORS = {status: {"model": ErrorBody} for status in (400, 404, 409, 410, 413, 422)}
+K_HELP = "number of neighbours, 1 to the server's max_k (default 10; with min_score, max_k)"
+MIN_SCORE_HELP = "keep only neighbours with a cosine similarity of at least this, from -1 to 1 (all of them, up to k)"
+
+
+class FilterParams:
+    """The filter query parameters every search route takes (``label`` and ``exclude`` repeatable)."""
+
+    def __init__(self,
+                 label: list[str] | None = Query(None, description="only items with this label; repeat for several"),
+                 path_prefix: str | None = Query(None, description="only items whose relative path starts with "
+                                                 "this (a folder: `shoes/`)"),
+                 min_width: int | None = Query(None, description="only images at least this wide (pixels)"),
+                 max_width: int | None = Query(None, description="only images at most this wide (pixels)"),
+                 min_height: int | None = Query(None, description="only images at least this tall (pixels)"),
+                 max_height: int | None = Query(None, description="only images at most this tall (pixels)"),
+                 exclude: list[int] | None = Query(None, description="never these item ids; repeatable")):
+        self.values = dict(labels=tuple(label or ()), path_prefix=path_prefix, min_width=min_width,
+                           max_width=max_width, min_height=min_height, max_height=max_height,
+                           exclude=tuple(exclude or ()))
+
+    def filter(self, form_labels: list[str] | None = None):
+        """The :class:`~serve.engine.SearchFilter` (labels of the form field too), or ``None`` when empty.
+
+        Raises:
+            ConfigError: a size range that cannot hold anything, a negative size."""
+        from moco_retrieval.serve.engine import SearchFilter
+
+        values = dict(self.values, labels=self.values["labels"] + tuple(form_labels or ()))
+        flt = SearchFilter(**values)
+        return flt or None
+
+
+def _search_body(res, k: int, min_score: float | None) -> dict:
+    body = {"generation": res.generation, "k": k, "min_score": min_score, "results": [_public(h) for h in res.hits],
+            "timings": res.timings, "batch_size": res.batch_size}
+    if res.query is not None:
+        body["query"] = _public(res.query)
+    return body
 
 
 def _public(record: dict) -> dict:
@@ -296,23 +348,52 @@ def create_app(engine: SearchEngine | str | os.PathLike, max_upload_bytes: int =
             body, content_type = served.exposition()
             return Response(body, media_type=content_type)
 
-    @app.post("/api/search", response_model=SearchResponse, responses=_ERRORS, tags=["search"])
-    async def search(image: UploadFile = File(..., description="the query image (JPEG, PNG, WebP, ...)"),
-                     k: int = Query(SEARCH_K, description="number of neighbours, 1 to the server's max_k")):
-        """The `k` indexed images most similar to the uploaded one, best first (cosine similarity)."""
-        async with uploads.hold(image.size or max_upload_bytes):  # the bytes live until the search is done
-            data = await _read_upload(image, max_upload_bytes)
-            (res,) = await engine.search_async([data], k)
+    @app.post("/api/search", response_model=SearchResponse | BatchSearchResponse, responses=_ERRORS,
+              tags=["search"])
+    async def search(image: list[UploadFile] = File(..., description="the query image (JPEG, PNG, WebP, ...); "
+                                                    "repeat the field for a batch, answered in order"),
+                     k: int | None = Query(None, description=K_HELP),
+                     min_score: float | None = Query(None, description=MIN_SCORE_HELP),
+                     filters: FilterParams = Depends(),
+                     label: list[str] | None = Form(None, description="only items with this label (a form field, "
+                                                    "as the query parameter `label`); repeatable")):
+        """The `k` indexed images most similar to the uploaded one, best first (cosine similarity); with
+        `min_score`, every one at least that similar (up to `k`); with filters, only the items they allow.
+        Several `image` fields: a batch, answered as `responses` in request order (at most the server's
+        max_queries)."""
+        k = engine.resolve_k(k, min_score)
+        flt = filters.filter(label)
+        engine.check_batch(len(image), "images")
+        held = sum(f.size or max_upload_bytes for f in image)
+        async with uploads.hold(held):  # the bytes live until the search is done
+            data = [await _read_upload(f, max_upload_bytes) for f in image]
+            results = await engine.search_async(data, k, min_score, flt)
         if observe is not None:
-            observe(res.timings)
-        return {"generation": res.generation, "k": k, "results": [_public(h) for h in res.hits],
-                "timings": res.timings, "batch_size": res.batch_size}
+            for res in results:
+                observe(res.timings)
+        if len(results) == 1:
+            return _search_body(results[0], k, min_score)
+        return {"generation": results[0].generation, "k": k, "min_score": min_score,
+                "responses": [_search_body(res, k, min_score) for res in results]}
+
+    @app.post("/api/search/ids", response_model=BatchSearchResponse, responses=_ERRORS, tags=["search"])
+    def search_ids(body: IdsRequest, k: int | None = Query(None, description=K_HELP),
+                   min_score: float | None = Query(None, description=MIN_SCORE_HELP),
+                   filters: FilterParams = Depends()):
+        """The neighbours of several indexed items (JSON body `{"ids": [...]}`, each item itself left out),
+        answered as `responses` in the order of the ids (at most the server's max_queries)."""
+        results = engine.search_by_ids(body.ids, k, min_score, filters.filter())
+        k = engine.resolve_k(k, min_score)
+        return {"generation": results[0].generation, "k": k, "min_score": min_score,
+                "responses": [_search_body(res, k, min_score) for res in results]}
 
     @app.post("/api/classify", response_model=ClassifyResponse, responses=_ERRORS, tags=["search"])
     async def classify(image: UploadFile = File(..., description="the image to classify"),
-                       k: int = Query(KNN_K, description="neighbours that vote"),
+                       k: int | None = Query(None, description="neighbours that vote (default: the server's "
+                                             f"--knn-k, {KNN_K} unless set)"),
                        temperature: float = Query(KNN_TEMPERATURE, description="vote weight exp(score / T)")):
         """k-NN classification: labeled neighbours vote with weight exp(score / temperature)."""
+        k = engine.config.knn_k if k is None else k
         async with uploads.hold(image.size or max_upload_bytes):
             data = await _read_upload(image, max_upload_bytes)
             (res,) = await engine.classify_async([data], k, temperature)
@@ -340,11 +421,22 @@ def create_app(engine: SearchEngine | str | os.PathLike, max_upload_bytes: int =
         return StreamingResponse(_chunks(f), media_type=media_type, headers=headers)
 
     @app.get("/api/items/{item_id}/neighbors", response_model=SearchResponse, responses=_ERRORS, tags=["items"])
-    def neighbors(item_id: int, k: int = Query(SEARCH_K, description="number of neighbours")):
-        """The `k` items most similar to an indexed item (the item itself left out)."""
-        res = engine.search_by_id(item_id, k)
-        return {"generation": res.generation, "k": k, "results": [_public(h) for h in res.hits],
-                "timings": res.timings, "batch_size": res.batch_size, "query": _public(res.query)}
+    def neighbors(item_id: int, k: int | None = Query(None, description=K_HELP),
+                  min_score: float | None = Query(None, description=MIN_SCORE_HELP),
+                  filters: FilterParams = Depends()):
+        """The `k` items most similar to an indexed item (the item itself left out); with `min_score`, every one
+        at least that similar (up to `k`); with filters, only the items they allow."""
+        res = engine.search_by_id(item_id, k, min_score, filters.filter())
+        return _search_body(res, engine.resolve_k(k, min_score), min_score)
+
+    @app.get("/api/items/{item_id}/duplicates", responses=_ERRORS, tags=["items"])
+    def duplicates(item_id: int, threshold: float = Query(DUPLICATE_THRESHOLD, description="cosine similarity at "
+                                                          "which two images count as duplicates, -1 to 1")):
+        """The near-duplicates of an indexed item: every other item at least `threshold` similar (re-encodes,
+        crops, resizes, copies), best first; `moco duplicates` groups the whole index the same way."""
+        res = engine.duplicates(item_id, threshold)
+        return {"generation": res.generation, "threshold": threshold, "query": _public(res.query),
+                "duplicates": [_public(h) for h in res.hits]}
 
     @app.get("/api/health", response_model=Health, tags=["service"])
     def health():

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -80,3 +81,43 @@ def test_embeddings__missing_index_and_unwritable_out_are_one_line(tmp_path, ser
     assert main(["embeddings", str(served_index), "--out", str(tmp_path / "no" / "dir" / "x.parquet")]) == 5
     err = capsys.readouterr().err.strip()
     assert err.startswith("moco: error:") and "\n" not in err
+
+
+def test_embed__a_folder_to_parquet_equals_the_encoder_and_resumes(serve_corpus, encoder_onnx, tmp_path,
+                                                                   monkeypatch, capsys):
+    import pandas as pd
+
+    import moco_retrieval.indexer.embed_folder as embed_folder
+    from moco_retrieval.indexer.encoder import OnnxEncoder
+
+    corpus = tmp_path / "photos"
+    shutil.copytree(serve_corpus, corpus)
+    (corpus / "red" / "broken.png").write_bytes(b"\x89PNG not really")
+    out = tmp_path / "photos.parquet"
+    args = ["embed", str(corpus), "--model", str(encoder_onnx), "--out", str(out), "--workers", "0",
+            "--no-progress", "--shard-size", "8"]
+    calls = []
+
+    def dies_once(*a, **k):  # the run is stopped after embedding everything, before the file is written
+        calls.append(1)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(embed_folder, "write_embeddings", dies_once)
+    with pytest.raises(KeyboardInterrupt):
+        embed_folder.embed_folder(embed_folder.IndexConfig(str(corpus), str(encoder_onnx), str(out), workers=0,
+                                                           progress=False))
+    assert calls and embed_folder.work_dir_for(out).is_dir() and not out.exists()
+    monkeypatch.undo()
+    assert main(args) == 0  # the identical command goes on: nothing embedded again
+    printed = capsys.readouterr().out
+    assert "embedded 0 images" in printed and "wrote 48 rows (512-d)" in printed and "red/broken.png" in printed
+    assert not embed_folder.work_dir_for(out).exists()
+    frame = pd.read_parquet(out)
+    assert frame.id.tolist() == list(range(48)) and frame.path.tolist() == sorted(frame.path)
+    encoder = OnnxEncoder(encoder_onnx, device="cpu", threads=1)
+    some = frame.iloc[[0, 17, 47]]
+    expected = encoder.embed_images([corpus / p for p in some.path])
+    np.testing.assert_allclose(np.stack(some.vector.to_numpy()), expected, atol=1e-5)
+    assert set(frame.label) == {"blue", "green", "red", "yellow"}
+    assert main(["embed", str(corpus), "--model", str(tmp_path / "missing.onnx"), "--out", str(out)]) == 4
+    assert capsys.readouterr().err.startswith("moco: error: encoder not found")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import pickle
 import subprocess
 import sys
@@ -182,3 +183,87 @@ def test_encoder__runs_without_torch_in_a_real_process(exported, tmp_path):
     assert report["torch"] is False and report["shape"] == [1, 512]
     here = OnnxEncoder(exported[0], device="cpu", threads=1).embed_images([image])
     np.testing.assert_allclose(report["row"], here[0, :4], atol=1e-6)
+
+
+def _tiny_encoder(path: Path, exported: Path, output: str, size: int = 8, dim: int = 3, **declared) -> Path:
+    """An ONNX file with our metadata (``declared`` overrides it) whose graph maps uint8 [N, size, size, 3] to
+    the per-channel mean, then: ``unit`` L2-normalized, ``raw`` as it is, ``nan`` times NaN, ``flat`` 1-D."""
+    from onnx import TensorProto, helper
+
+    nodes = [helper.make_node("Cast", ["images"], ["f"], to=TensorProto.FLOAT),
+             helper.make_node("ReduceMean", ["f", "axes"], ["m"], keepdims=0)]
+    inits = [helper.make_tensor("axes", TensorProto.INT64, [2], [1, 2])]
+    out_shape = ["N", dim]
+    if output == "unit":
+        nodes.append(helper.make_node("LpNormalization", ["m"], ["embeddings"], axis=1, p=2))
+    elif output == "raw":
+        nodes.append(helper.make_node("Identity", ["m"], ["embeddings"]))
+    elif output == "nan":
+        inits.append(helper.make_tensor("nan", TensorProto.FLOAT, [], [float("nan")]))
+        nodes.append(helper.make_node("Mul", ["m", "nan"], ["embeddings"]))
+    else:  # flat
+        inits.append(helper.make_tensor("axis1", TensorProto.INT64, [1], [1]))
+        nodes.append(helper.make_node("ReduceMean", ["m", "axis1"], ["embeddings"], keepdims=0))
+        out_shape = ["N"]
+    graph = helper.make_graph(nodes, "tiny", [helper.make_tensor_value_info("images", TensorProto.UINT8,
+                                                                            ["N", size, size, 3])],
+                              [helper.make_tensor_value_info("embeddings", TensorProto.FLOAT, out_shape)], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=8)
+    props = {p.key: p.value for p in onnx.load(str(exported)).metadata_props}
+    props.update({"image_size": str(size), "embedding_dim": str(dim)})
+    props.update({k: str(v) for k, v in declared.items()})
+    onnx.helper.set_model_props(model, props)
+    onnx.save(model, str(path))
+    return path
+
+
+@pytest.mark.parametrize("output, message", [("nan", "non-finite"), ("raw", "not L2-normalized"),
+                                             ("flat", "shape")])
+def test_encoder__an_output_that_is_not_unit_vectors_of_the_declared_shape_is_refused(exported, tmp_path, output,
+                                                                                      message):
+    good = OnnxEncoder(_tiny_encoder(tmp_path / "good.onnx", exported[0], "unit"), device="cpu", threads=1)
+    pixels = np.random.default_rng(0).integers(0, 255, (4, 8, 8, 3), dtype=np.uint8)
+    np.testing.assert_allclose(np.linalg.norm(good.embed(pixels), axis=1), 1, atol=1e-5)
+    path = _tiny_encoder(tmp_path / f"{output}.onnx", exported[0], output)
+    if output == "flat":  # a graph whose output is 1-D is refused when opened
+        with pytest.raises(ArtifactError, match="graph output has shape"):
+            OnnxEncoder(path, device="cpu", threads=1)
+        return
+    bad = OnnxEncoder(path, device="cpu", threads=1)
+    with pytest.raises(ArtifactError, match=message) as info:
+        bad.embed(pixels)
+    assert "\n" not in str(info.value) and str(path) in str(info.value)
+
+
+def test_encoder__declared_sizes_must_fit_the_graph_and_stay_bounded(exported, tmp_path):
+    with pytest.raises(ArtifactError, match="graph input has shape"):  # declares 16 px, the graph takes 8
+        OnnxEncoder(_tiny_encoder(tmp_path / "a.onnx", exported[0], "unit", image_size=16), device="cpu")
+    with pytest.raises(ArtifactError, match="graph output has shape"):  # declares 4-d, the graph gives 3
+        OnnxEncoder(_tiny_encoder(tmp_path / "b.onnx", exported[0], "unit", embedding_dim=4), device="cpu")
+    with pytest.raises(ArtifactError, match="image_size 60000, outside 8-2048"):
+        read_encoder_metadata(_tiny_encoder(tmp_path / "c.onnx", exported[0], "unit", image_size=60000))
+
+
+def test_open_session__preloads_the_cuda_libraries_quietly_where_a_driver_is(monkeypatch, capsys, caplog):
+    import logging
+
+    import onnxruntime as ort
+
+    import moco_retrieval.indexer.encoder as encoder_module
+
+    calls = []
+
+    def preload():  # what onnxruntime prints on a machine without the libraries
+        calls.append(1)
+        print("Failed to load libcurand.so.10: cannot open shared object file")
+
+    monkeypatch.setattr(ort, "preload_dlls", preload)
+    for driver in (False, True):
+        encoder_module._preload_cuda_libraries.cache_clear()
+        monkeypatch.setattr(encoder_module.os.path, "exists", lambda p, d=driver: d if p == "/dev/nvidiactl" else
+                            os.path.lexists(p))
+        with caplog.at_level(logging.DEBUG, logger="moco_retrieval.indexer.encoder"):
+            encoder_module._preload_cuda_libraries()
+    assert calls == [1]  # only where there is a driver, and once
+    assert capsys.readouterr().out == "" and "libcurand" in caplog.text
+    encoder_module._preload_cuda_libraries.cache_clear()

@@ -2,6 +2,7 @@
 incremental updates, resume after SIGKILL, model mismatch, CLI errors."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -18,6 +19,7 @@ from moco_retrieval.contracts.errors import ArtifactError
 from moco_retrieval.indexer.build import IndexConfig, build_index_dir
 from moco_retrieval.indexer.encoder import OnnxEncoder
 from moco_retrieval.indexer.index_dir import IndexDirectory, current_generation
+from moco_retrieval.indexer.manifest import file_sha256
 from tests.index_fixtures import index_encoder, other_encoder, write_corpus  # noqa: F401 (fixtures)
 from moco_retrieval.trainer.demo_data import draw_shape
 
@@ -392,3 +394,41 @@ def test_index_cli__missing_model_or_folder_fails_before_anything_is_created(cor
         assert proc.returncode == code, proc.stderr
         assert words in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
         assert not out.exists()  # no empty folder, no .lock left behind
+
+
+def test_index__keeps_its_own_copy_of_the_model(corpus, index_encoder, other_encoder, tmp_path):
+    data, _ = corpus
+    model, out = tmp_path / "enc.onnx", tmp_path / "index"
+    shutil.copyfile(index_encoder, model)
+    build_index_dir(_cfg(data, model, out))
+    with open(model, "r+b") as f:  # `cp other.onnx enc.onnx` rewrites the same inode
+        f.write(Path(other_encoder).read_bytes())
+        f.truncate()
+    with IndexDirectory.open(out) as d:
+        assert file_sha256(d.encoder_path) == d.manifest.model_sha256 == file_sha256(index_encoder)
+
+
+def test_index__a_moved_folder_is_reattached_keeping_ids_and_vectors(corpus, index_encoder, tmp_path):
+    data, moved, out = tmp_path / "photos", tmp_path / "photos2", tmp_path / "index"
+    shutil.copytree(corpus[0], data)
+    build_index_dir(_cfg(data, index_encoder, out))
+    with IndexDirectory.open(out) as d:
+        before = _live(d)
+    data.rename(moved)  # mtimes kept, as `mv` keeps them
+    with pytest.raises(ArtifactError, match="--reattach"):
+        build_index_dir(_cfg(moved, index_encoder, out))
+    result = build_index_dir(_cfg(moved, index_encoder, out, reattach=True))
+    assert result.published and result.embedded == 0 and result.reattached == str(data)
+    assert (result.added, result.updated, result.removed) == (0, 0, 0)
+    with IndexDirectory.open(out) as d:
+        assert _live(d) == before and d.manifest.image_root == str(moved)
+        some = next(iter(before.values()))
+        assert d.image_path(some).is_file() and str(d.image_path(some)).startswith(str(moved))
+    again = build_index_dir(_cfg(moved, index_encoder, out, reattach=True))
+    assert not again.published and again.mode == "unchanged"  # the same command again changes nothing
+
+
+def test_index__counts_the_files_it_passes_over_by_extension(built):
+    out, result = built
+    assert result.not_images == {".txt": 1}  # square/readme.txt; .hidden.png is hidden, not counted
+    assert json.loads((out / "report.json").read_text())["not_images"] == {".txt": 1}

@@ -97,3 +97,32 @@ def test_cli__version_and_loudness_flags_in_any_position(served_index, serve_cor
     assert main(["search", str(served_index), str(query), "-k", "1", "--json", "-v"]) == 0  # -v after the command
     assert json.loads(capsys.readouterr().out)["results"][0]["path"] == "red/red_009.png"
     assert logging.getLogger("PIL").getEffectiveLevel() >= logging.INFO  # -v does not flood with PIL's chunks
+
+
+_WITHOUT_TORCH = """
+import sys
+class Absent:  # an install without the [train] extra
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("torch", "torchvision", "timm", "matplotlib"):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+sys.meta_path.insert(0, Absent())
+from moco_retrieval.app.cli import main
+code = main(sys.argv[1:])
+assert not [m for m in sys.modules if m.split(".")[0] == "torch"]
+sys.exit(code)
+"""
+
+
+def test_cli__without_the_train_extra_search_works_and_train_says_what_to_install(served_index, serve_corpus,
+                                                                                 tmp_path):
+    query = str(next(serve_corpus.rglob("*.png")))
+    run = lambda *a: subprocess.run([sys.executable, "-c", _WITHOUT_TORCH, *a], capture_output=True, text=True,
+                                    timeout=120)
+    found = run("search", str(served_index), query, "-k", "3", "--json", "--device", "cpu")
+    assert found.returncode == 0, found.stderr
+    assert len(json.loads(found.stdout)["results"]) == 3
+    for command in (["train", str(serve_corpus), "--out", str(tmp_path / "run")], ["export", "x", "--out", "y"]):
+        refused = run(*command)
+        assert refused.returncode == 2 and refused.stderr.strip() == (
+            f"moco: error: `moco {command[0]}` needs torch, which this install lacks: "
+            "pip install 'moco-retrieval[train]'")

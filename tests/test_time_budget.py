@@ -88,3 +88,18 @@ def test_train__budget_spent_before_the_first_step_still_leaves_a_checkpoint(sha
     result = train(cfg)
     assert result.stopped_by == "time budget" and result.steps == 0
     assert load_checkpoint(tmp_path / "run")["step"] == 0
+
+
+def test_train__a_budget_spent_at_an_epoch_end_still_ends_with_the_final_knn(shapes_dir, tmp_path, monkeypatch):
+    import json
+
+    import moco_retrieval.trainer.train as train_module
+
+    monkeypatch.setattr(train_module, "_out_of_time", lambda t, p: p.step >= t.steps_per_epoch)  # spent as epoch 1 ends
+    cfg = tiny_train_config(shapes_dir, tmp_path / "run", epochs=None, time_budget="10m", batch_size=8,
+                            queue_size=16, knn_every=None)
+    result = train(cfg)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    last = [r for r in rows if r.get("kind") == "epoch"][-1]
+    assert result.stopped_by == "time budget" and result.epochs_done == 1
+    assert result.knn_acc is not None and last["knn_acc"] == result.knn_acc  # the run's last row has its k-NN

@@ -122,7 +122,14 @@ def _refused_global(exc: Exception) -> bool:
     return "unsupported global" in str(exc).lower()
 
 
-def _safe_load(path: Path):
+def safe_load(path: Path, hint: str = "Use a checkpoint written by `moco train`"):
+    """``torch.load(path, weights_only=True)`` on the CPU (format-1 checkpoints' numpy and version classes
+    allowed): a file that names any other class or function is refused, so loading never runs its code.
+
+    Raises:
+        ArtifactError: the file holds objects other than tensors and plain values (``hint`` says what to do).
+        Exception: whatever torch raises for a file that is not a readable pickle (callers make it one line).
+    """
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
@@ -135,7 +142,7 @@ def _safe_load(path: Path):
             if not _refused_global(exc):
                 raise
             raise ArtifactError(f"{path} holds objects other than tensors and plain values; refusing to load it "
-                                "(loading could run code). Use a checkpoint written by `moco train`") from exc
+                                f"(loading could run code). {hint}") from exc
 
 
 def load_checkpoint(path: str | Path) -> dict:
@@ -146,7 +153,7 @@ def load_checkpoint(path: str | Path) -> dict:
     """
     path = resolve_checkpoint(path)
     try:
-        ckpt = _safe_load(path)
+        ckpt = safe_load(path)
     except ArtifactError:
         raise
     except Exception as exc:  # torch raises many types for a corrupt or foreign file

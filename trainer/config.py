@@ -24,13 +24,14 @@ from moco_retrieval.contracts.options import option
 RESNETS = ("resnet18", "resnet34", "resnet50")
 VITS = ("vit_tiny", "vit_small", "vit_base")
 ARCHS = RESNETS + VITS
+DEFAULT_ARCH = "resnet50"  # what --arch auto builds without --init
 STEMS = ("auto", "imagenet", "small")
 RECIPES = ("auto", "paper")
 
 # Fields that define the model, the data order or the objective: a resumed run must match them.
 RESUME_MUST_MATCH = (
     "moco_version", "arch", "stem", "patch_size", "image_size", "batch_size", "dim", "mlp_hidden", "queue_size",
-    "temperature", "seed", "bn_splits", "recipe", "time_budget",
+    "temperature", "seed", "bn_splits", "recipe", "time_budget", "init",
 )
 GROUPS = ("model", "recipe and schedule", "running", "k-NN monitor")
 
@@ -69,8 +70,12 @@ class TrainConfig:
     # -- model --------------------------------------------------------------------------------------------------
     moco_version: int = option(2, "2: MoCo v2 (a queue of negatives, SGD); 3: MoCo v3 (symmetric in-batch loss, "
                                   "a predictor, no queue; LARS for ResNets, AdamW for ViTs)", "model", choices=(2, 3))
-    arch: str = option("resnet50", "backbone network; resnet18 trains fastest; vit_* need --moco-version 3",
-                       "model", choices=ARCHS)
+    arch: str = option("auto", f"backbone network; resnet18 trains fastest; vit_* need --moco-version 3; auto: "
+                               f"the --init file's, else {DEFAULT_ARCH}", "model", choices=("auto",) + ARCHS)
+    init: str | None = option(None, "start from these weights instead of random ones: a local torchvision or timm "
+                                    "state dict (.pth/.pt/.bin/.safetensors), a facebookresearch/moco or moco-v3 "
+                                    "checkpoint, or a moco-retrieval run; the architecture is read from the file",
+                              "model", metavar="SOURCE")
     stem: str = option("auto", "ResNet first layers: 'small' keeps the resolution of 32-96 px images (about 9x "
                                "the compute of 'imagenet', which downsamples 4x); auto: see --recipe",
                        "model", choices=STEMS)
@@ -141,12 +146,16 @@ class TrainConfig:
     # -- set by the run -----------------------------------------------------------------------------------------
     run_id: str = option("", "set when the run starts; kept across resumes", "running", cli=False)
     derived: dict = option(dict, "value and reason of every option the recipe chose", "running", cli=False)
+    init_report: dict = option(dict, "what --init loaded, left fresh and ignored (trainer.pretrained)", "running",
+                               cli=False)
     extra: dict = option(dict, "free-form notes carried into config.json", "running", cli=False)
 
     def __post_init__(self) -> None:
+        if self.arch == "auto" and not self.init:
+            self.arch = DEFAULT_ARCH
         if self.moco_version not in (2, 3):
             raise ConfigError(f"--moco-version must be 2 or 3, got {self.moco_version}")
-        if self.arch not in ARCHS:
+        if self.arch not in ARCHS and not (self.arch == "auto" and self.init):
             raise ConfigError(f"unknown --arch {self.arch!r}; choose one of {', '.join(ARCHS)}")
         if self.arch in VITS and self.moco_version != 3:
             raise ConfigError(f"--arch {self.arch} needs --moco-version 3 (MoCo v2 trains ResNets only)")

@@ -30,7 +30,6 @@ from moco_retrieval.contracts.encoder_format import RESIZE_POLICY
 from moco_retrieval.contracts.errors import DataError
 from moco_retrieval.contracts.images import decode_image
 from moco_retrieval.contracts.knn import EVAL_KS, KNN_TEMPERATURE
-from moco_retrieval.trainer.checkpoint import resolve_checkpoint
 from moco_retrieval.trainer.eval_transform import eval_transform
 from moco_retrieval.trainer.imagefolder import scan_image_folder
 from moco_retrieval.trainer.knn import knn_predict
@@ -92,35 +91,45 @@ class _Images(Dataset):
 
 # ---- embedders ---------------------------------------------------------------------------------------------
 class CheckpointEmbedder:
-    """Features of a trained backbone from a run directory or checkpoint (eval mode, eval preprocessing).
+    """Features of a backbone from a run directory, a checkpoint, or any weights file ``--init`` reads
+    (torchvision, timm, MoCo v1/v2/v3: :mod:`trainer.pretrained`), in eval mode with eval preprocessing.
 
     Args:
-        path: run directory (its ``checkpoint_last.pt``) or checkpoint file.
+        path: run directory (its ``checkpoint_last.pt``), checkpoint or weights file.
         device: torch device, or ``auto``.
         batch_size, workers: feature-extraction loader settings.
+        arch: checked against the file's architecture when given.
+        image_size: input size (default: a run's own, a ViT's own, 224 for a ResNet of other code).
     """
 
     kind = "checkpoint"
 
-    def __init__(self, path: str | Path, device: str = "auto", batch_size: int = 256, workers: int = 0):
+    def __init__(self, path: str | Path, device: str = "auto", batch_size: int = 256, workers: int = 0,
+                 arch: str | None = None, image_size: int | None = None):
         # the export's loader: the same checks and the same backbone as `moco export` (heavy imports, so lazy)
         from moco_retrieval.trainer.device import resolve_device
-        from moco_retrieval.trainer.export import embedding_dim, load_backbone
+        from moco_retrieval.trainer.export import embedding_dim
+        from moco_retrieval.trainer.pretrained import backbone_from_source
 
-        self.path = resolve_checkpoint(path)
-        backbone, self.config, ckpt = load_backbone(self.path)
-        self.image_size = self.config.image_size
-        self.embedding_dim = embedding_dim(backbone, self.image_size)  # one zero image, on the CPU
+        built = backbone_from_source(path, arch, image_size)
+        self.source = built.pretrained
+        self.path = self.source.path
+        self.image_size = built.image_size
+        self.embedding_dim = embedding_dim(built.backbone, self.image_size)  # one zero image, on the CPU
         self.device = resolve_device(device)
-        self.backbone = backbone.to(self.device).eval()
-        self.epoch = ckpt.get("epoch")
+        self.backbone = built.backbone.to(self.device).eval()
+        self.epoch = self.source.epoch
         self.batch_size, self.workers = batch_size, workers
 
     def describe(self) -> dict:
         """What was evaluated, for the results JSON."""
-        return {"model_kind": self.kind, "checkpoint": str(self.path), "arch": self.config.arch,
-                "moco_version": self.config.moco_version, "epoch": self.epoch, "run_id": self.config.run_id,
-                "image_size": self.image_size, "embedding_dim": self.embedding_dim, "resize": RESIZE_POLICY}
+        src = self.source
+        doc = {"model_kind": self.kind, "checkpoint": str(self.path), "arch": src.arch,
+               "moco_version": src.moco_version, "epoch": self.epoch, "run_id": src.run_id,
+               "image_size": self.image_size, "embedding_dim": self.embedding_dim, "resize": RESIZE_POLICY}
+        if src.layout != "moco-retrieval":
+            doc.update(model_kind="weights", layout=src.layout, sha256=src.sha256)
+        return doc
 
     @torch.no_grad()
     def embed_images(self, paths: list[str]) -> np.ndarray:

@@ -38,6 +38,7 @@ from moco_retrieval.contracts.encoder_format import (
     OUTPUT_NAME,
     RESIZE_POLICY,
     encode_metadata,
+    model_label,
 )
 from moco_retrieval.contracts.errors import (
     ArtifactError,
@@ -286,26 +287,30 @@ def _check_output(out: Path) -> None:
         tempfile.NamedTemporaryFile(dir=out.parent, prefix=f".{out.name}.probe.").close()  # deleted on close
 
 
-def _metadata(cfg, ckpt: dict, image_size: int, dim: int, fp16: bool, opset: int) -> dict[str, str]:
+def _metadata(arch: str, moco_version: int, run_id: str, epoch: int, step: int, image_size: int, dim: int,
+              fp16: bool, opset: int, init: dict | None = None) -> dict[str, str]:
+    """The encoder file's ``metadata_props`` (:mod:`contracts.encoder_format`); ``init``: the source of a
+    ``moco export --init`` (``init_source``, ``init_sha256``, ``init_layout``)."""
     values = {
         "format": ENCODER_FORMAT,
         "format_version": ENCODER_FORMAT_VERSION,
         "image_size": image_size,
         "embedding_dim": dim,
-        "arch": cfg.arch,
-        "moco_version": cfg.moco_version,
+        "arch": arch,
+        "moco_version": moco_version,
         "resize": RESIZE_POLICY,
         "mean": IMAGENET_MEAN,
         "std": IMAGENET_STD,
         "input": f"{INPUT_NAME}: uint8 [N, {image_size}, {image_size}, 3] RGB",
         "output": f"{OUTPUT_NAME}: float32 [N, {dim}] L2-normalized",
         "precision": "fp16" if fp16 else "fp32",
-        "run_id": ckpt.get("run_id") or cfg.run_id or "",
-        "checkpoint_epoch": int(ckpt.get("epoch", 0)),
-        "checkpoint_step": int(ckpt.get("step", 0)),
+        "run_id": run_id,
+        "checkpoint_epoch": epoch,
+        "checkpoint_step": step,
         "opset": opset,
         "torch_version": torch.__version__,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        **(init or {}),
     }
     return encode_metadata(values)
 
@@ -340,8 +345,7 @@ def build_onnx(backbone: nn.Module, image_size: int, metadata: dict[str, str], f
         out_shape.dim[1].dim_value = int(metadata["embedding_dim"])
         onnx.helper.set_model_props(model, metadata)
         model.producer_name = "moco-retrieval"
-        model.doc_string = (f"MoCo v{metadata['moco_version']} {metadata['arch']} encoder: "
-                            f"{metadata['input']} -> {metadata['output']}")
+        model.doc_string = f"{model_label(metadata)} encoder: {metadata['input']} -> {metadata['output']}"
         onnx.checker.check_model(model)
     except Exception as exc:  # the exporter raises many types (RuntimeError, OnnxExporterError, checker errors)
         raise ExportError(f"ONNX export of {metadata['arch']} failed at opset {opset}: "
@@ -376,17 +380,69 @@ def export_encoder(
         ExportError: export failed or the check found a mismatch (no file is left at ``out``).
     """
     tic = time.perf_counter()
+    opset = _check_opset(opset)
+    out = Path(out)
+    _check_output(out)
+    backbone, cfg, ckpt = load_backbone(checkpoint)
+    dim = embedding_dim(backbone, cfg.image_size)
+    metadata = _metadata(cfg.arch, cfg.moco_version, ckpt.get("run_id") or cfg.run_id or "", int(ckpt.get("epoch", 0)),
+                         int(ckpt.get("step", 0)), cfg.image_size, dim, fp16, opset)
+    return _publish(backbone, cfg.image_size, metadata, out, fp16, opset, verify, tolerance, cfg.data_dir, tic)
+
+
+def export_pretrained(
+    source: str | Path,
+    out: str | Path,
+    arch: str | None = None,
+    image_size: int | None = None,
+    fp16: bool = False,
+    opset: int | None = None,
+    verify: bool = True,
+    tolerance: ParityTolerance | None = None,
+    data_dir: str | None = None,
+) -> ExportResult:
+    """Export the backbone of a weights file (``moco export --init SOURCE``: torchvision, timm, MoCo v1/v2/v3
+    or a moco-retrieval run, :mod:`trainer.pretrained`) without training, verified like every export. Its
+    metadata records the source's file name (``init_source``), sha256 (``init_sha256``) and layout.
+
+    Args:
+        source: the weights file (or run directory).
+        arch: checked against the file's architecture when given.
+        image_size: the encoder's input size (default: the weights' own; 224 for ResNets of other code).
+        data_dir: a folder of images for the verification (default: generated ones).
+        others: as :func:`export_encoder`.
+
+    Raises:
+        as :func:`export_encoder`, and ConfigError when ``arch`` or ``image_size`` contradicts the file.
+    """
+    from moco_retrieval.trainer.pretrained import backbone_from_source
+
+    tic = time.perf_counter()
+    opset = _check_opset(opset)
+    out = Path(out)
+    _check_output(out)
+    built = backbone_from_source(source, arch, image_size)
+    pre = built.pretrained
+    dim = embedding_dim(built.backbone, built.image_size)
+    metadata = _metadata(pre.arch, pre.moco_version, pre.run_id, pre.epoch, pre.step, built.image_size, dim, fp16,
+                         opset, init={"init_source": pre.name, "init_sha256": pre.sha256, "init_layout": pre.layout})
+    return _publish(built.backbone, built.image_size, metadata, out, fp16, opset, verify, tolerance, data_dir, tic)
+
+
+def _check_opset(opset: int | None) -> int:
     opset = DEFAULT_OPSET if opset is None else opset
     if not MIN_OPSET <= opset <= MAX_OPSET:
         raise ConfigError(f"--opset must be between {MIN_OPSET} and {MAX_OPSET}, got {opset}")
-    out = Path(out)
-    _check_output(out)
+    return opset
+
+
+def _publish(backbone: nn.Module, image_size: int, metadata: dict[str, str], out: Path, fp16: bool, opset: int,
+             verify: bool, tolerance: ParityTolerance | None, data_dir: str | None, tic: float) -> ExportResult:
+    """Trace, check against PyTorch and publish ``out`` atomically (nothing is left there when a check fails)."""
     tolerance = tolerance or (FP16_TOLERANCE if fp16 else FP32_TOLERANCE)
-    backbone, cfg, ckpt = load_backbone(checkpoint)
-    dim = embedding_dim(backbone, cfg.image_size)
-    metadata = _metadata(cfg, ckpt, cfg.image_size, dim, fp16, opset)
-    LOG.info("exporting %s (%d-d) to ONNX opset %d, %s", cfg.arch, dim, opset, metadata["precision"])
-    model = build_onnx(backbone, cfg.image_size, metadata, fp16, opset)
+    LOG.info("exporting %s (%s-d) to ONNX opset %d, %s", metadata["arch"], metadata["embedding_dim"], opset,
+             metadata["precision"])
+    model = build_onnx(backbone, image_size, metadata, fp16, opset)
 
     import onnx
 
@@ -398,7 +454,7 @@ def export_encoder(
         except ValueError as exc:
             raise OutputError(f"cannot write {out}: {exc}") from exc
         if verify:
-            images, result.image_source = verification_images(cfg.data_dir, cfg.image_size)
+            images, result.image_source = verification_images(data_dir, image_size)
             LOG.info("checking ONNX Runtime against PyTorch on %s", result.image_source)
             result.checks = verify_onnx(tmp, backbone, images, tolerance)
             for check in result.checks:

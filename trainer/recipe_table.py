@@ -46,6 +46,13 @@ AUTO_WARMUP_EPOCHS_V3 = 1.0  # a 1-epoch warm-up learned; the paper's 10% of a l
 AUTO_WARMUP_MAX_FRACTION = 0.1
 AUTO_TAU_FRACTION = 20  # v2 key momentum: an EMA time constant of 1/20 of the run, within [100, 1000] steps
 AUTO_TAU_RANGE = (100, 1000)
+# --init (continued pretraining: the weights already see). Derived, not yet measured on real collections:
+# a tenth of the from-scratch lr refines the weights instead of overwriting them, a short v3 warm-up (v2 has
+# none) and a slower key encoder, so the momentum encoder keeps the source's features while the queries adapt.
+INIT_LR_FRACTION = 0.1
+INIT_WARMUP_EPOCHS = {"v2": 0.0, "v3_resnet": 0.25, "v3_vit": 0.25}
+INIT_MOMENTUM = {"v2": 0.999, "v3_resnet": 0.996, "v3_vit": 0.996}
+NOT_MEASURED = "not yet measured on real collections"
 MONITOR_EVALUATIONS = 10  # default --knn-every: about this many k-NN evaluations per run
 SMALL_STEM_COST = "about 9x the compute per image (measured at 32 px: 28 against 266 images/s)"
 
@@ -79,6 +86,10 @@ class Situation:
     @property
     def paper(self) -> bool:
         return self.cfg.recipe == "paper"
+
+    @property
+    def init(self) -> bool:  # continued pretraining from --init weights
+        return not self.paper and bool(getattr(self.cfg, "init", None))
 
     @property
     def cpu_v2(self) -> bool:  # the recipe checked on real collections
@@ -124,6 +135,15 @@ def _auto_lr_why(s: Situation) -> str:
     if _auto_lr(s) < base:
         why += f"; at batch {s.cfg.batch_size} capped so the peak lr stays at {cap:g}"
     return why
+
+
+def _scratch_lr(s: Situation) -> float:
+    """The base lr auto uses from scratch in ``s`` (the rules below the ``init`` one)."""
+    return AUTO_LR_CPU_V2 if s.cpu_v2 else _auto_lr(s)
+
+
+def _init_lr(s: Situation) -> float:
+    return float(f"{INIT_LR_FRACTION * _scratch_lr(s):.4g}")
 
 
 def _gpu_queue(s: Situation) -> int:
@@ -173,6 +193,21 @@ BEFORE_TRAINING: tuple[Rule, ...] = (
                    "learned slowest", f"{AUTO_TEMPERATURE:g}"),
     Rule("lr", "paper", lambda s: PAPER[s.kind]["lr"], lambda s: f"{_name(s.kind)} paper value (x batch/256)",
          "paper value"),
+    Rule("lr", "init", _init_lr,
+         lambda s: f"--init: {INIT_LR_FRACTION:g}x the from-scratch auto lr ({_scratch_lr(s):g} x batch/256), so "
+                   f"training refines the weights instead of overwriting them ({NOT_MEASURED})",
+         f"{INIT_LR_FRACTION:g}x the from-scratch value"),
+    Rule("momentum", "init", lambda s: INIT_MOMENTUM[s.kind],
+         lambda s: f"--init: key momentum {INIT_MOMENTUM[s.kind]:g}"
+                   + (" rising to 1" if s.kind != "v2" else "")
+                   + f", higher than from scratch, so the key encoder keeps the source's features while the "
+                     f"queries adapt ({NOT_MEASURED})",
+         f"{INIT_MOMENTUM['v2']:g} (v2), {INIT_MOMENTUM['v3_resnet']:g} rising to 1 (v3)"),
+    Rule("warmup_epochs", "init", lambda s: INIT_WARMUP_EPOCHS[s.kind],
+         lambda s: f"--init: {INIT_WARMUP_EPOCHS[s.kind]:g} epochs of warm-up (at most "
+                   f"{100 * AUTO_WARMUP_MAX_FRACTION:g}% of the run): the weights need no long start, only the "
+                   f"fresh heads ({NOT_MEASURED})",
+         f"{INIT_WARMUP_EPOCHS['v3_resnet']:g} epoch for v3, none for v2"),
     Rule("lr", "cpu_v2", lambda s: AUTO_LR_CPU_V2,
          lambda s: f"{AUTO_LR_CPU_V2:g} x batch/256, {AUTO_LR_CPU_V2 / PAPER['v2']['lr']:g}x the paper's: in 4 minutes "
                    "it added 17.9 k-NN points on the demo data where the paper's values added 7.5, and 1-3 points "
@@ -212,11 +247,13 @@ def describe() -> str:
     """The auto recipe in a few lines for ``moco train --help``, from the table."""
     lines = []
     for option in ("batch_size", "lr", "queue_size", "stem", "temperature"):
-        summaries = [r.summary for r in rules_for(option) if r.when != "paper"]
+        summaries = [r.summary for r in rules_for(option) if r.when not in ("paper", "init")]
         lines.append(f"  --{option.replace('_', '-')}: " + "; ".join(summaries))
     tau = f"1/{AUTO_TAU_FRACTION} of the run ({AUTO_TAU_RANGE[0]}-{AUTO_TAU_RANGE[1]} steps)"
     lines.append(f"  --momentum (v2): an EMA time constant of {tau}; --warmup-epochs: none for v2, "
                  f"{AUTO_WARMUP_EPOCHS_V3:g} epoch for v3 (at most {100 * AUTO_WARMUP_MAX_FRACTION:g}% of the run)")
+    init = [f"--{r.option.replace('_', '-')} {r.summary}" for r in BEFORE_TRAINING if r.when == "init"]
+    lines.append(f"  with --init ({NOT_MEASURED}): " + "; ".join(init))
     lines.append(f"  the queue is always capped at half the images; the papers' values are for batches of "
                  f"{PAPER_BATCHES} and hundreds of epochs")
     return "\n".join(textwrap.fill(line, 110, subsequent_indent="      ") for line in lines)

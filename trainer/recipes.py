@@ -42,7 +42,7 @@ LOG = logging.getLogger(__name__)
 KINDS = {MoCoV2Variant: "v2", MoCoV3ResNetVariant: "v3_resnet", MoCoV3ViTVariant: "v3_vit"}
 
 
-def _set(cfg: TrainConfig, name: str, value, why: str) -> TrainConfig:
+def set_derived(cfg: TrainConfig, name: str, value, why: str) -> TrainConfig:
     """``cfg`` with ``name`` set to ``value`` for ``why``; where the user had set the option (a --queue-size the
     recipe caps, --stem auto), their value is kept as ``requested``: a resume compares the rerun's options with
     what the user asked for, not with what the recipe made of it (trainer.train._merge_saved)."""
@@ -52,6 +52,9 @@ def _set(cfg: TrainConfig, name: str, value, why: str) -> TrainConfig:
     if requested is not None:
         item["requested"] = requested
     return cfg.replace(**{name: value}, derived={**cfg.derived, name: item})
+
+
+_set = set_derived
 
 
 def fit_queue_to_data(queue_size: int, batch_size: int, num_images: int) -> tuple[int, str | None]:
@@ -121,6 +124,7 @@ def resolve_before_training(cfg: TrainConfig, variant: Variant, num_images: int,
             LOG.warning("the small ResNet stem costs %s on 2 CPU cores; pass --stem imagenet for a run 9x faster",
                         SMALL_STEM_COST)
     cfg = _fill(cfg, ("dim", "mlp_hidden", "weight_decay", "temperature", "lr"), *context)
+    cfg = _fill(cfg, ("momentum",), *context)  # only --init has a rule before training
     if kind == "v2":
         cfg = _fill(cfg, ("queue_size",), *context)
         queue, why = fit_queue_to_data(cfg.queue_size, cfg.batch_size, num_images)
@@ -148,6 +152,11 @@ def resolve_schedule(cfg: TrainConfig, variant: Variant, total_steps: int, steps
         every = max(1, math.ceil(cfg.epochs / MONITOR_EVALUATIONS))
         cfg = _set(cfg, "knn_every", every, f"about {MONITOR_EVALUATIONS} evaluations over {cfg.epochs} epochs "
                    "(plus the first and the last)")
+    init_rule = first_rule("warmup_epochs", Situation(cfg, KINDS[type(variant)], 0, 1, False))
+    if cfg.warmup_epochs is None and init_rule is not None:  # --init; the rule's value is in epochs, capped here
+        cap = AUTO_WARMUP_MAX_FRACTION * total_steps / steps_per_epoch
+        situation = Situation(cfg, KINDS[type(variant)], 0, 1, False)
+        cfg = _set(cfg, "warmup_epochs", round(min(init_rule.value(situation), cap), 3), init_rule.why(situation))
     if cfg.warmup_epochs is None:
         if cfg.recipe == "paper":
             cfg = _set(cfg, "warmup_epochs", round(variant.paper["warmup"] * total_steps / steps_per_epoch, 3),

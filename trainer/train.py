@@ -41,6 +41,7 @@ from moco_retrieval.trainer.device import resolve_amp, resolve_device
 from moco_retrieval.trainer.image_cache import ImageCache, cache_side
 from moco_retrieval.trainer.monitor import KnnMonitor
 from moco_retrieval.trainer.plots import plot_metrics
+from moco_retrieval.trainer.pretrained import Pretrained, configure, load_into_model, read_pretrained
 from moco_retrieval.trainer.recipes import (
     MONITOR_EVALUATIONS,
     check_batch_divides,
@@ -77,6 +78,7 @@ class TrainResult:
     model: torch.nn.Module | None = None  # the trained MoCo model (unwrapped from DDP), on its device
     knn_before: float | None = None  # k-NN top-1 at random initialisation (when the monitor ran at step 0)
     stopped_by: str = "epochs"  # epochs, stop-at-epoch, time budget, steps
+    init: str | None = None  # the --init weights the run started from (knn_before is theirs, not random init)
 
 
 @dataclass(frozen=True)
@@ -230,13 +232,19 @@ def _resume(cfg: TrainConfig, resume: str | Path | None) -> tuple[TrainConfig, d
     return cfg, ckpt, resume_path
 
 
-def _build_model(cfg: TrainConfig, variant: Variant, device: torch.device, ckpt: dict | None
-                 ) -> tuple[torch.nn.Module, torch.nn.Module, torch.optim.Optimizer, int]:
-    """``(model, ddp_model, optimizer, bn_splits)``, with the checkpoint's weights and optimizer state."""
+def _build_model(cfg: TrainConfig, variant: Variant, device: torch.device, ckpt: dict | None,
+                 init: Pretrained | None = None
+                 ) -> tuple[torch.nn.Module, torch.nn.Module, torch.optim.Optimizer, int, dict]:
+    """``(model, ddp_model, optimizer, bn_splits, init report)``, with the checkpoint's weights and optimizer
+    state, or (a new run with ``--init``) the source's weights (the report says what was loaded)."""
     world = dist.world_size()
     seed_everything(cfg.seed)
     bn_splits = variant.bn_splits(cfg.bn_splits, cfg.batch_size // world, world)
-    model = variant.build_model(cfg, bn_splits).to(device, memory_format=variant.memory_format)
+    model = variant.build_model(cfg, bn_splits)
+    report = {}
+    if init is not None and ckpt is None:
+        report = load_into_model(init, model, cfg.image_size)
+    model = model.to(device, memory_format=variant.memory_format)
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True  # fixed input shapes: let cuDNN time and keep its fastest kernels
     optimizer = variant.build_optimizer(cfg, model)
@@ -255,7 +263,7 @@ def _build_model(cfg: TrainConfig, variant: Variant, device: torch.device, ckpt:
         ddp_model = DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False
         )
-    return model, ddp_model, optimizer, bn_splits
+    return model, ddp_model, optimizer, bn_splits, report
 
 
 def _build_loader(cfg: TrainConfig, variant: Variant, device: torch.device, cached, labels: list
@@ -300,6 +308,10 @@ def setup(cfg: TrainConfig, device: torch.device, resume: str | Path | None = No
     if cfg.batch_size is not None:  # before the scan: a batch the user set fails at once
         check_batch_divides(cfg.batch_size, world)
     cfg, ckpt, resume_path = _resume(cfg, resume)
+    init = None
+    if ckpt is None and cfg.init:  # a resumed run has its weights; the file was read when it started
+        init = read_pretrained(cfg.init)
+        cfg = configure(cfg, init)
     files, cached, skipped = _scan_and_cache(cfg, is_main)
     variant = variant_for(cfg)
     cfg = resolve_before_training(cfg, variant, len(files), world, device.type == "cuda")
@@ -325,7 +337,9 @@ def setup(cfg: TrainConfig, device: torch.device, resume: str | Path | None = No
             lock.acquire()
     dist.barrier()
 
-    model, ddp_model, optimizer, bn_splits = _build_model(cfg, variant, device, ckpt)
+    model, ddp_model, optimizer, bn_splits, init_report = _build_model(cfg, variant, device, ckpt, init)
+    if init_report:
+        cfg = cfg.replace(init_report=init_report)
     amp, amp_why = resolve_amp(cfg.amp, device)
     loader, augment = _build_loader(cfg, variant, device, cached, labels)
     steps_per_epoch = len(loader)
@@ -543,8 +557,8 @@ def run(t: Trainee, p: Progress, stop_at_epoch: int | None = None) -> TrainResul
         tic = time.perf_counter()
         knn_before = knn_acc = t.monitor.evaluate(t.model.backbone, t.device)
         p.eval_seconds = time.perf_counter() - tic
-        LOG.info("k-NN top-1 before training: %.2f%% (%d images from %s)", 100 * knn_acc, len(t.monitor),
-                 t.monitor.folder)
+        LOG.info("k-NN top-1 before training (%s): %.2f%% (%d images from %s)",
+                 f"--init {cfg.init}" if cfg.init else "random init", 100 * knn_acc, len(t.monitor), t.monitor.folder)
         _append_jsonl(t.run_dir / METRICS, {"kind": "epoch", "epoch": 0, "step": 0, "knn_acc": knn_acc,
                                             "elapsed_s": _elapsed(t, p)})
     stopped = None
@@ -560,6 +574,8 @@ def run(t: Trainee, p: Progress, stop_at_epoch: int | None = None) -> TrainResul
                 seed_everything(_epoch_seed(cfg.seed, epoch, dist.rank()))
             stats = run_epoch(t, p, epoch, end_step)
             stopped = stats["stopped"]
+            if stopped is None and p.budget is not None and p.step < end_step and _out_of_time(t, p):
+                stopped = "time budget"  # spent at an epoch's end: this epoch's row still gets the final k-NN
             complete = p.batch_in_epoch >= t.steps_per_epoch
             if complete:
                 p.epoch, p.batch_in_epoch = epoch + 1, 0
@@ -608,7 +624,7 @@ def run(t: Trainee, p: Progress, stop_at_epoch: int | None = None) -> TrainResul
     elif stopped == "steps":
         stopped = reason
     return TrainResult(t.run_dir, p.epoch, p.step, loss_value, knn_acc, len(t.paths), len(p.skipped), t.model,
-                       knn_before, stopped)
+                       knn_before, stopped, p.cfg.init)
 
 
 def train(cfg: TrainConfig, resume: str | Path | None = None, stop_at_epoch: int | None = None) -> TrainResult:

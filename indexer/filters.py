@@ -1,0 +1,83 @@
+"""Search filters as FAISS ``IDSelector`` bitmaps over a generation's ids, and how deep a filtered search goes.
+
+An :class:`IdFilter` is a bitmap over ``[0, next_id)`` (one bit per id ever given out: 125 KB per million), built
+from sorted id arrays that come from range scans of the metadata store (a label's ids, a path prefix's ids:
+:meth:`indexer.metadata.MetadataStore.label_ids`, ``path_prefix_ids``), minus excluded ids. FAISS checks it
+inside the search of the base and of the delta (``IDSelectorBitmap``), for flat, IVF and HNSW alike.
+
+A restrictive filter starves an approximate search: IVF probes ``nprobe`` lists that hold few allowed items,
+HNSW's beam meets few of them. So :func:`filtered_params` raises ``nprobe`` / ``efSearch`` by the inverse of the
+fraction kept, and a filter that keeps at most :data:`EXACT_FILTER_MAX` items is answered exactly from the
+stored vectors of those items instead (:meth:`indexer.searcher.LayeredIndex.search`), which costs what the
+filter keeps, not the corpus.
+"""
+from __future__ import annotations
+
+import math
+
+import faiss
+import numpy as np
+
+EXACT_FILTER_MAX = 20_000  # filters keeping at most this many items are scored exactly (20k x 512 x 2 FLOP: 20 MFLOP)
+MAX_DEPTH_FACTOR = 64  # nprobe / efSearch are raised at most this much (beyond it the exact path is cheaper)
+
+
+class IdFilter:
+    """The ids a search may return: a bitmap over ``[0, next_id)``.
+
+    Args:
+        next_id: ids run from 0 to ``next_id - 1``.
+        allowed: sorted int64 ids allowed (``None``: every id).
+        exclude: ids never returned.
+    """
+
+    def __init__(self, next_id: int, allowed: np.ndarray | None = None, exclude=()):
+        self.next_id = int(next_id)
+        bits = np.zeros(self.next_id, dtype=bool) if allowed is not None else np.ones(self.next_id, dtype=bool)
+        if allowed is not None:
+            allowed = np.asarray(allowed, dtype=np.int64)
+            bits[allowed[(allowed >= 0) & (allowed < self.next_id)]] = True
+        exclude = np.asarray(list(exclude), dtype=np.int64)
+        bits[exclude[(exclude >= 0) & (exclude < self.next_id)]] = False
+        self.bits = bits
+        self.bitmap = np.packbits(bits, bitorder="little")  # FAISS reads bit (i & 7) of byte i >> 3
+        self.selector = faiss.IDSelectorBitmap(len(self.bitmap), faiss.swig_ptr(self.bitmap))
+
+    @classmethod
+    def of_bits(cls, bits: np.ndarray) -> "IdFilter":
+        out = cls.__new__(cls)
+        out.next_id, out.bits = len(bits), bits
+        out.bitmap = np.packbits(bits, bitorder="little")
+        out.selector = faiss.IDSelectorBitmap(len(out.bitmap), faiss.swig_ptr(out.bitmap))
+        return out
+
+    def ids(self) -> np.ndarray:
+        """The allowed ids, sorted (live or not: the caller's selector of removed ids still applies)."""
+        return np.flatnonzero(self.bits).astype(np.int64)
+
+    def count(self) -> int:
+        return int(np.count_nonzero(self.bits))
+
+    def allows(self, I: np.ndarray) -> np.ndarray:
+        """bool mask of ``I`` (-1 pads: False)."""
+        ok = (I >= 0) & (I < self.next_id)
+        return ok & self.bits[np.where(ok, I, 0)]
+
+
+def depth_factor(kept: int, total: int) -> int:
+    """How much deeper a search filtered to ``kept`` of ``total`` items goes (1 when it keeps them all)."""
+    if total <= 0 or kept >= total:
+        return 1
+    return int(min(MAX_DEPTH_FACTOR, math.ceil(total / max(1, kept))))
+
+
+def filtered_params(params: dict, factor: int, nlist: int | None = None) -> dict:
+    """``params`` (``{"nprobe": n}`` / ``{"efSearch": n}``) ``factor`` times deeper (nprobe at most ``nlist``)."""
+    out = dict(params)
+    if factor <= 1:
+        return out
+    if "nprobe" in out:
+        out["nprobe"] = int(min(nlist or out["nprobe"] * factor, out["nprobe"] * factor))
+    if "efSearch" in out:
+        out["efSearch"] = int(out["efSearch"] * factor)
+    return out
