@@ -10,11 +10,12 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import shutil
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, Iterator
+from typing import IO, Callable, Iterator
 
 from moco_retrieval.contracts.errors import OutputError
 
@@ -38,9 +39,48 @@ class output_errors:
         if exc_type is None or not issubclass(exc_type, OSError):
             return False
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise OutputError(f"disk full while writing {self.what}; free some space and rerun the same command "
-                              "(finished work is kept)") from exc
+            raise OutputError(f"disk full while writing {self.what}; free some space{_free_space(self.what)} and "
+                              "rerun the same command (finished work is kept)") from exc
         raise OutputError(f"cannot write {self.what} ({exc.strerror or exc}); {self.hint}") from exc
+
+
+class WriteErrors:
+    """Wrap a binary file for a writer that turns the ``OSError`` of a failed write into an error of its own
+    (``torch.save`` raises ``RuntimeError: enforce fail at inline_container.cc`` on a full disk): the block
+    re-raises the ``OSError`` the file raised, so :class:`output_errors` (around it, as in
+    :func:`atomic_write`) makes it one line."""
+
+    def __init__(self, f: IO[bytes]):
+        self._f = f
+        self.error: OSError | None = None
+
+    def write(self, data) -> int:
+        try:
+            return self._f.write(data)
+        except OSError as exc:
+            self.error = exc
+            raise
+
+    def __getattr__(self, name):
+        return getattr(self._f, name)
+
+    def __enter__(self) -> WriteErrors:
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc is not None and self.error is not None and exc is not self.error:
+            raise self.error from exc
+        return False
+
+
+def _free_space(path: str | os.PathLike) -> str:
+    """`` (N MB free there)`` for the disk ``path`` is (or would be) on; empty when that cannot be told."""
+    for folder in Path(path).absolute().parents:
+        try:
+            return f" ({shutil.disk_usage(folder).free / 1e6:,.1f} MB free there)"
+        except OSError:
+            continue
+    return ""
 
 
 def check_writable(folder: str | os.PathLike, what: str, hint: str) -> Path:
@@ -94,6 +134,43 @@ def fsync_dir(path: str | os.PathLike) -> None:
 def _fsync_file(path: Path) -> None:
     with open(path, "rb+") as f:
         os.fsync(f.fileno())
+
+
+# mkstemp's names for atomic_path: "." + the target's name + "." + 8 random characters + ".tmp"
+_TEMP_NAME = re.compile(r"^\.(?P<target>.+)\.[a-z0-9_]{8}\.tmp$")
+
+
+def temp_file_target(name: str) -> str | None:
+    """The name of the file an :func:`atomic_path` temporary file named ``name`` was to become, else None."""
+    match = _TEMP_NAME.match(name)
+    return match.group("target") if match else None
+
+
+def remove_stale_temp_files(folder: str | os.PathLike, owned: Callable[[str], bool]) -> tuple[int, int]:
+    """Delete the temporary files that writes killed mid-way (kill -9, power loss) left in ``folder``, for the
+    targets ``owned(target name)`` accepts; a failed write removes its own, a killed one cannot. Call it only
+    while holding the folder's writer lock: a running write's temporary file looks the same.
+
+    Returns:
+        ``(files removed, bytes freed)``.
+    """
+    removed = freed = 0
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return 0, 0
+    for name in names:
+        target = temp_file_target(name)
+        if target is None or not owned(target):
+            continue
+        path = Path(folder) / name
+        try:
+            size = path.lstat().st_size
+            path.unlink()
+        except OSError:  # gone meanwhile, or not ours to delete: nothing to free
+            continue
+        removed, freed = removed + 1, freed + size
+    return removed, freed
 
 
 @contextmanager

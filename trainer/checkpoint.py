@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from moco_retrieval.contracts.atomic import atomic_write
+from moco_retrieval.contracts.atomic import WriteErrors, atomic_write
 from moco_retrieval.contracts.errors import ArtifactError
 
 LOG = logging.getLogger(__name__)
@@ -33,7 +33,8 @@ LAST = "checkpoint_last.pt"
 def save_atomic(obj: dict, path: str | Path) -> None:
     """``torch.save`` ``obj`` to ``path`` atomically (:mod:`contracts.atomic`): the old file or the new one."""
     with atomic_write(path, "wb", hint="free some space or choose another --out") as f:
-        torch.save(obj, f)
+        with WriteErrors(f) as writer:  # a full disk: one line naming the file, not torch's "enforce fail"
+            torch.save(obj, writer)
 
 
 def checkpoint_dict(cfg, model: torch.nn.Module, *, epoch: int, step: int, optimizer=None, batch_in_epoch: int = 0,

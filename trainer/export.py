@@ -449,7 +449,8 @@ def _publish(backbone: nn.Module, image_size: int, metadata: dict[str, str], out
     result = ExportResult(path=out, metadata=metadata, tolerance=tolerance)
     with atomic_path(out, hint="choose another --out") as tmp:  # published only once the check passed
         try:
-            onnx.save(model, str(tmp))
+            with output_errors(out, "free some space or choose another --out"):  # a full disk: one line
+                onnx.save(model, str(tmp))
         except ValueError as exc:
             raise OutputError(f"cannot write {out}: {exc}") from exc
         if verify:

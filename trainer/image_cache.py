@@ -12,7 +12,8 @@ On disk, under ``CACHE_ROOT/<folder name>-<hash of its absolute path>-<side>px/`
 
     index.json        {"format", "format_version", "side", "pixels": file name, "rows": rows written,
                        "entries": {path: [row, bytes, mtime_ns, width, height]},
-                       "failed": {path: [bytes, mtime_ns, reason]}}
+                       "failed": {path: [bytes, mtime_ns, reason]},
+                       "checksums": a crc32 per block of rows (trainer.cache_checksums)}
     pixels-<n>.u8     raw uint8 rows [rows, side, side, 3]
     .lock             held (flock) while the cache is updated
 
@@ -36,6 +37,12 @@ time. The rules that keep each of them valid:
 
 Updates take turns on ``.lock``; reading an index and taking the reader's lock happen under it, so no update
 can delete a rows file between the two.
+
+Damage is repaired, never trusted. Each update checks the rows file's size against the rows its index claims
+and verifies a sample of row blocks (:mod:`trainer.cache_checksums`; all of them once one fails). The images of
+a damaged block, or of the blocks a truncation cut, are dropped from the index and decoded again as new rows in
+the same update (one warning line); a truncated file is first extended back to its length with zeros, so no
+row number is ever reused and a reader of the old index reads zeros rather than past the end of its map.
 """
 from __future__ import annotations
 
@@ -45,6 +52,7 @@ import logging
 import math
 import multiprocessing
 import os
+import random
 import sys
 import time
 import weakref
@@ -65,6 +73,7 @@ from moco_retrieval.contracts.atomic import output_errors, write_json_atomic
 from moco_retrieval.contracts.errors import DataError
 from moco_retrieval.contracts.filenames import display_name
 from moco_retrieval.contracts.images import FoundFile, decode_image
+from moco_retrieval.trainer.cache_checksums import BLOCK_BYTES, SAMPLE_BLOCKS, RowChecksums
 
 LOG = logging.getLogger(__name__)
 
@@ -201,14 +210,21 @@ class ImageCache:
         root: the image folder; side: stored side (:func:`cache_side`); cache_root: where caches live (None:
             :func:`default_cache_root`).
         compact_min_rows: rows below which dead ones are never compacted (None: :data:`COMPACT_MIN_ROWS`).
+        block_bytes: bytes of rows per checksum block of a new checksum record (None: ``BLOCK_BYTES``).
+        sample_blocks: blocks verified at each update (None: ``SAMPLE_BLOCKS``).
     """
 
     def __init__(self, root: str | os.PathLike, side: int, cache_root: str | os.PathLike | None = None,
-                 compact_min_rows: int | None = None):
+                 compact_min_rows: int | None = None, block_bytes: int | None = None,
+                 sample_blocks: int | None = None):
         self.root = Path(root)
         self.side = side
         self.folder = cache_dir_for(root, side, cache_root)
         self.compact_min_rows = COMPACT_MIN_ROWS if compact_min_rows is None else compact_min_rows
+        self.block_bytes = BLOCK_BYTES if block_bytes is None else block_bytes
+        self.sample_blocks = SAMPLE_BLOCKS if sample_blocks is None else sample_blocks
+        self.row_bytes = side * side * 3
+        self._rng = random.Random()  # which blocks to verify; never the global RNG, which training seeds
 
     def _read_index(self) -> dict:
         try:
@@ -246,6 +262,7 @@ class ImageCache:
         tic = time.perf_counter()
         with _locked(self.folder):
             index = self._read_index()
+            sums, repaired = self._check_rows(index)
             entries, failed = index["entries"], index["failed"]
             todo = []
             for f in files:
@@ -263,9 +280,15 @@ class ImageCache:
                 entries.pop(p, None)
                 failed.pop(p, None)
             if todo:
-                self._decode_into(index, todo, workers, progress)
+                self._decode_into(index, todo, sums, workers, progress)
             if todo or dropped:
-                self._compact_if_sparse(index)
+                sums, lost = self._compact_if_sparse(index, sums)
+                again = [f for f in files if f.path in lost]
+                if again:  # rows of damaged blocks the compaction found: decoded anew, as at the start
+                    self._decode_into(index, again, sums, workers, progress)
+                    todo += again
+            if todo or dropped or repaired:
+                index["checksums"] = sums.to_json()
                 write_json_atomic(self.folder / INDEX_FILE, index, "set --cache-dir to a writable folder")
             self._delete_unheld(index["pixels"])
             hold = _hold_shared(self.folder / index["pixels"])  # under the lock: no update deletes it first
@@ -281,10 +304,55 @@ class ImageCache:
                  cached.decoded, time.perf_counter() - tic, f"; {len(unreadable)} unreadable" if unreadable else "")
         return cached, {f.path: failed[f.path][2] for f in unreadable}
 
-    def _decode_into(self, index: dict, todo: list[FoundFile], workers: int, progress: bool) -> None:
+    def _check_rows(self, index: dict) -> tuple[RowChecksums, bool]:
+        """Check the rows file against ``index`` (its size, a sample of its checksummed blocks; see the module
+        docstring), drop the entries of damaged rows so that the update decodes them again, and return the
+        checksums and whether the index changed (a repair, or checksums made for the first time)."""
+        sums = RowChecksums.from_index(index)
+        changed = sums is None
+        if sums is None:  # a new cache, or one written before checksums: they are made from its rows
+            sums = RowChecksums.for_rows(index["pixels"], self.row_bytes, self.block_bytes)
+        rows, path = index["rows"], self.folder / index["pixels"]
+        if rows == 0:  # nothing to check; the record is written with the first rows
+            return sums, False
+        lost, why = set(), []
+        with output_errors(path, "set --cache-dir to a writable folder"), open(path, "r+b") as f:
+            fd = f.fileno()
+            intact = os.fstat(fd).st_size // self.row_bytes
+            if intact < rows:  # truncated: the blocks from the first missing row on are lost
+                first = sums.block_of(intact)
+                lost.update(range(first, sums.block_of(rows - 1) + 1))
+                why.append(f"its rows file is truncated ({intact} of {rows} rows)")
+                f.truncate(rows * self.row_bytes)  # its length back (zeros): row numbers are never reused
+                sums.drop_from(first)
+            if sums.rows < rows:
+                if sums.rows == 0 and not lost:
+                    LOG.info("image cache %s: checksumming its %d rows (written before checksums)", self.folder, rows)
+                sums.cover(fd, self.row_bytes, rows)
+                changed = True
+            sample = [b for b in sums.sample(self.sample_blocks, self._rng) if b not in lost]
+            bad = sums.damaged(fd, self.row_bytes, sample)
+            if bad:  # one damaged block: check them all
+                bad = sums.damaged(fd, self.row_bytes, [b for b in range(len(sums.crc32)) if b not in lost])
+                why.append(f"1 block of rows fails its checksum" if len(bad) == 1 else
+                           f"{len(bad)} blocks of rows fail their checksums")
+                sums.recompute(fd, self.row_bytes, bad)  # their rows are dead from now on
+                lost.update(bad)
+        if not lost:
+            return sums, changed
+        damaged = [p for p, entry in index["entries"].items() if sums.block_of(entry[0]) in lost]
+        for p in damaged:
+            del index["entries"][p]
+        LOG.warning("image cache %s is damaged (%s): decoding its %d images there again", self.folder,
+                    "; ".join(why), len(damaged))
+        return sums, True
+
+    def _decode_into(self, index: dict, todo: list[FoundFile], sums: RowChecksums, workers: int,
+                     progress: bool) -> None:
         from tqdm import tqdm
 
-        row_bytes = self.side * self.side * 3
+        row_bytes = self.row_bytes
+        assert sums.rows == index["rows"], "checksums cover every row before rows are appended"
         tasks = [(str(self.root / f.path), self.side) for f in todo]
         bar = tqdm(total=len(todo), unit="img", desc=f"caching images at {self.side} px", disable=not progress,
                    dynamic_ncols=True, leave=False)
@@ -303,7 +371,9 @@ class ImageCache:
                         index["failed"][f.path] = [f.bytes, f.mtime_ns, reason]
                         index["entries"].pop(f.path, None)
                         continue
-                    out.write(pixels.tobytes())
+                    data = pixels.tobytes()
+                    out.write(data)
+                    sums.add(data)
                     index["entries"][f.path] = [row, f.bytes, f.mtime_ns, width, height]
                     index["failed"].pop(f.path, None)
                     row += 1
@@ -315,25 +385,48 @@ class ImageCache:
             if pool is not None:
                 pool.terminate()
 
-    def _compact_if_sparse(self, index: dict) -> None:
+    def _compact_if_sparse(self, index: dict, sums: RowChecksums) -> tuple[RowChecksums, set[str]]:
         """Copy the live rows to a new pixels file when more than half of the rows are dead (the old file is
-        deleted once nobody holds it: :meth:`_delete_unheld`)."""
+        deleted once nobody holds it: :meth:`_delete_unheld`), verifying each block it copies from.
+
+        Returns:
+            the new rows file's checksums (``sums`` when nothing was compacted), and the paths whose rows were
+            in a damaged block: dropped from the index, for the caller to decode again.
+        """
         live = len(index["entries"])
         if index["rows"] <= 2 * live or index["rows"] < self.compact_min_rows:
-            return
-        row_bytes = self.side * self.side * 3
+            return sums, set()
+        row_bytes = self.row_bytes
         old = self.folder / index["pixels"]
         new = self.folder / f"pixels-{_rows_file_number(index['pixels']) + 1}.u8"
-        src = np.memmap(old, dtype=np.uint8, mode="r", shape=(index["rows"], row_bytes))
-        with output_errors(new, "set --cache-dir to a writable folder"), open(new, "wb") as out:
-            for new_row, (path, entry) in enumerate(sorted(index["entries"].items(), key=lambda kv: kv[1][0])):
-                out.write(src[entry[0]].tobytes())
-                entry[0] = new_row
+        fresh = RowChecksums(new.name, sums.block_rows)
+        by_block: dict[int, list[tuple[str, list]]] = {}
+        for path, entry in sorted(index["entries"].items(), key=lambda kv: kv[1][0]):
+            by_block.setdefault(sums.block_of(entry[0]), []).append((path, entry))
+        lost: set[str] = set()
+        with output_errors(new, "set --cache-dir to a writable folder"), open(old, "rb") as src, \
+                open(new, "wb") as out:
+            for block, items in by_block.items():
+                start, stop = sums.span(block)
+                data = os.pread(src.fileno(), (stop - start) * row_bytes, start * row_bytes)
+                if not sums.matches(block, data):
+                    lost.update(path for path, _ in items)
+                    continue
+                for _, entry in items:
+                    row = data[(entry[0] - start) * row_bytes:(entry[0] - start + 1) * row_bytes]
+                    out.write(row)
+                    entry[0] = fresh.rows
+                    fresh.add(row)
             out.flush()
             os.fsync(out.fileno())
-        del src
-        LOG.info("compacted the image cache %s: %d live of %d rows", self.folder, live, index["rows"])
-        index["pixels"], index["rows"] = new.name, live
+        for path in lost:
+            del index["entries"][path]
+        if lost:
+            LOG.warning("image cache %s is damaged (rows failing their checksum while compacting): decoding its "
+                        "%d images there again", self.folder, len(lost))
+        LOG.info("compacted the image cache %s: %d live of %d rows", self.folder, fresh.rows, index["rows"])
+        index["pixels"], index["rows"] = new.name, fresh.rows
+        return fresh, lost
 
     def _delete_unheld(self, current: str) -> None:
         """Delete the rows files other than ``current`` that no reader holds (replaced by a compaction, or left

@@ -4,6 +4,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from moco_retrieval.contracts.atomic import atomic_path, output_errors
+
 
 def read_metrics(path: str | Path) -> list[dict]:
     path = Path(path)
@@ -34,6 +36,9 @@ def plot_metrics(metrics_path: str | Path, out_png: str | Path) -> Path:
     ax.set_title("MoCo training")
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(out_png)
-    plt.close(fig)
+    try:
+        with atomic_path(out_png, hint="free some space or choose another --out") as tmp, output_errors(out_png):
+            fig.savefig(tmp, format="png")  # a full disk is one line, and never leaves half a plot
+    finally:
+        plt.close(fig)
     return Path(out_png)

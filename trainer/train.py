@@ -22,7 +22,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from moco_retrieval.contracts.atomic import check_writable, link_or_copy_atomic, write_text_atomic
+from moco_retrieval.contracts.atomic import check_writable, link_or_copy_atomic, output_errors, write_text_atomic
 from moco_retrieval.contracts.errors import ConfigError, DataError
 from moco_retrieval.contracts.images import no_images_message, walk_image_files
 from moco_retrieval.trainer import dist
@@ -48,6 +48,7 @@ from moco_retrieval.trainer.recipes import (
     resolve_before_training,
     resolve_schedule,
 )
+from moco_retrieval.trainer.run_dir import RunDirLock
 from moco_retrieval.trainer.schedule import Schedule, TimeBudget
 from moco_retrieval.trainer.variants import Variant, variant_for
 
@@ -170,15 +171,24 @@ def _must_match_diffs(cfg: TrainConfig, saved: dict) -> list[str]:
 
 
 def _append_jsonl(path: Path, row: dict) -> None:
-    with open(path, "a") as f:
+    with output_errors(path, "free some space or choose another --out"), open(path, "a") as f:
         f.write(json.dumps(row) + "\n")
 
 
 def _truncate_metrics(path: Path, last_step: int) -> None:
-    """Drop metric rows logged after the checkpoint we resume from (they will be logged again)."""
+    """Drop metric rows logged after the checkpoint we resume from (they will be logged again), and a line
+    that a killed run left half-written (it failed every rerun with a JSONDecodeError)."""
     if path.exists():
-        rows = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= last_step]
+        rows = [line for line in path.read_text().splitlines() if _step_of(line) <= last_step]
         write_text_atomic(path, "".join(row + "\n" for row in rows))
+
+
+def _step_of(line: str) -> float:
+    """The ``step`` of a ``metrics.jsonl`` line; infinity (dropped) for a blank, torn or foreign one."""
+    try:
+        return float(json.loads(line)["step"])
+    except (ValueError, TypeError, KeyError):
+        return math.inf
 
 
 def _write_skipped(path: Path, skipped: dict[str, str]) -> None:
@@ -284,9 +294,11 @@ def _plan(cfg: TrainConfig, variant: Variant, ckpt: dict | None, steps_per_epoch
     return cfg, _schedule(cfg, variant, total, steps_per_epoch), budget
 
 
-def setup(cfg: TrainConfig, device: torch.device, resume: str | Path | None = None) -> tuple[Trainee, Progress]:
+def setup(cfg: TrainConfig, device: torch.device, resume: str | Path | None = None,
+          lock: RunDirLock | None = None) -> tuple[Trainee, Progress]:
     """Validate, scan and cache the data, resolve the recipe, build (or resume) the model, optimizer and loader,
-    and plan the run: ``(what is fixed for the run, where it stands)``.
+    and plan the run: ``(what is fixed for the run, where it stands)``. ``lock`` (held by :func:`train`) is
+    taken once the run directory exists, before anything is written there.
 
     Raises:
         ConfigError, DataError, OutputError, ArtifactError: before anything is written to the run directory.
@@ -321,6 +333,8 @@ def setup(cfg: TrainConfig, device: torch.device, resume: str | Path | None = No
                              batch_size=max(64, per_process_batch), cache_root=cfg.cache_dir, workers=cfg.workers)
     if is_main:
         check_writable(run_dir, "run directory", "choose a writable --out")
+        if lock is not None:
+            lock.acquire()
     dist.barrier()
 
     model, ddp_model, optimizer, bn_splits, init_report = _build_model(cfg, variant, device, ckpt, init)
@@ -346,6 +360,8 @@ def setup(cfg: TrainConfig, device: torch.device, resume: str | Path | None = No
                      progress.epoch + 1 if progress.batch_in_epoch else progress.epoch, progress.batch_in_epoch,
                      progress.step)
             _truncate_metrics(run_dir / METRICS, progress.step)
+        else:  # a run killed before its first checkpoint left rows: this one logs them again
+            _truncate_metrics(run_dir / METRICS, -1)
         write_text_atomic(run_dir / CONFIG, cfg.to_json() + "\n")
         _write_skipped(run_dir / SKIPPED, skipped)
         plan = (f"for {cfg.time_budget} (steps planned after the first minute)" if budget is not None
@@ -627,6 +643,8 @@ def train(cfg: TrainConfig, resume: str | Path | None = None, stop_at_epoch: int
     device = resolve_device(cfg.device, info.local_rank)
     dist.init(device)
     try:
-        return run(*setup(cfg, device, resume), stop_at_epoch)
+        with RunDirLock(cfg.out_dir) as lock:
+            lock.acquire_if_present()
+            return run(*setup(cfg, device, resume, lock), stop_at_epoch)
     finally:
         dist.cleanup()
