@@ -42,6 +42,7 @@ from moco_retrieval.contracts.errors import ArtifactError, ConfigError, DataErro
 from moco_retrieval.contracts.filenames import display_name
 from moco_retrieval.contracts.images import FoundFile
 from moco_retrieval.contracts.launch import WorldInfo, world_info_from_env
+from moco_retrieval.contracts.locks import writer_lock
 from moco_retrieval.indexer import faiss_index, integrity, update
 from moco_retrieval.indexer.embed import Embedder, FolderEmbedder
 from moco_retrieval.indexer.encoder import OnnxEncoder, available_cores, read_encoder_metadata
@@ -215,26 +216,6 @@ def _staging(layout: IndexLayout):
         raise
 
 
-@contextmanager
-def _writer_lock(layout: IndexLayout):
-    """Hold ``INDEX_DIR/.lock`` so that two ``moco index`` runs never write the same directory."""
-    try:
-        import fcntl
-    except ImportError:  # not POSIX: no lock
-        yield
-        return
-    with output_errors(layout.lock):
-        f = open(layout.lock, "a+")
-    try:
-        try:
-            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise ArtifactError(f"another `moco index` is writing {layout.root}; wait for it to finish") from None
-        yield
-    finally:
-        f.close()
-
-
 def build_index_dir(cfg: IndexConfig, embedder: Embedder | None = None, scanner=None) -> IndexResult:
     """Create or update the index directory ``cfg.out_dir`` from ``cfg.image_dir`` (see the module docstring).
 
@@ -274,7 +255,7 @@ def build_index_dir(cfg: IndexConfig, embedder: Embedder | None = None, scanner=
         _plan(run, labels, scanner, _live_generation(layout, cfg.rebuild))
         _embed_share(run)
         return _result(run, "rank")
-    with _writer_lock(layout):
+    with writer_lock(layout.lock, "moco index", layout.root):
         live = _live_generation(layout, cfg.rebuild)
         remove_stale_staging(layout, live)
         _plan(run, labels, scanner, live)
