@@ -22,7 +22,9 @@ demo: install  # trains 432 steps of 256 images: about 4 minutes on 2 CPU cores 
 serve-demo: install  # the web app and JSON API over the demo's index, at http://127.0.0.1:7860/
 	$(BIN)/moco serve demo/index
 
-test: install
+test: install  # the linter and the formatter first (seconds), then the suite
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(BIN)/pytest
 
 bench: install

@@ -5,6 +5,7 @@ Ctrl-C exits with 130 and says how to continue. Heavy imports (torch) happen ins
 ``moco --help`` is instant. ``-v`` (debug) and ``-q`` (warnings only) work in any position, before or after the
 subcommand; :func:`setup_logging` is the one logging setup of every ``moco`` process (``--workers`` too).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -16,15 +17,17 @@ import sys
 from moco_retrieval.contracts.errors import ConfigError, MocoError
 
 # One module per subcommand, each with ``register(subparsers)``; add new commands here.
-COMMAND_MODULES = tuple(f"moco_retrieval.app.cmd_{name}" for name in ("train", "export", "eval", "index", "embed",
-                                                                   "embeddings", "demo", "serve", "duplicates"))
+COMMAND_MODULES = tuple(
+    f"moco_retrieval.app.cmd_{name}"
+    for name in ("train", "export", "eval", "index", "embed", "embeddings", "demo", "serve", "duplicates")
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="moco",
         description="Learn image representations without labels (MoCo v2/v3), export them to ONNX, index an image "
-                    "folder with FAISS and serve similarity search.",
+        "folder with FAISS and serve similarity search.",
     )
     from moco_retrieval import __version__
 
@@ -40,8 +43,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 # packages of an optional install -> what to install (pyproject.toml's extras)
 _TRAIN, _RUNTIME = "'moco-retrieval[train]'", "'moco-retrieval[cpu]' (or '[gpu]' on a machine with a GPU)"
-INSTALL_FOR = {"torch": _TRAIN, "torchvision": _TRAIN, "timm": _TRAIN, "matplotlib": _TRAIN, "safetensors": _TRAIN,
-               "faiss": _RUNTIME, "onnxruntime": _RUNTIME}
+INSTALL_FOR = {
+    "torch": _TRAIN,
+    "torchvision": _TRAIN,
+    "timm": _TRAIN,
+    "matplotlib": _TRAIN,
+    "safetensors": _TRAIN,
+    "faiss": _RUNTIME,
+    "onnxruntime": _RUNTIME,
+}
 
 LOUDNESS = {"-v": logging.DEBUG, "--verbose": logging.DEBUG, "-q": logging.WARNING, "--quiet": logging.WARNING}
 QUIET_LOGGERS = {
@@ -85,8 +95,10 @@ def main(argv: list[str] | None = None) -> int:
         install = INSTALL_FOR.get((exc.name or "").split(".")[0])
         if install is None:
             raise
-        print(f"moco: error: `moco {args.command}` needs {exc.name}, which this install lacks: pip install {install}",
-              file=sys.stderr)
+        print(
+            f"moco: error: `moco {args.command}` needs {exc.name}, which this install lacks: pip install {install}",
+            file=sys.stderr,
+        )
         return ConfigError.exit_code
     except BrokenPipeError:  # `moco search ... | head`: the reader left; no traceback, as a SIGPIPE'd tool
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's own flush at exit fails too

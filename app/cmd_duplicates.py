@@ -1,4 +1,5 @@
 """``moco duplicates``: groups of near-identical images of an index directory, as JSON or CSV."""
+
 from __future__ import annotations
 
 import argparse
@@ -43,9 +44,18 @@ def cmd_duplicates(args: argparse.Namespace) -> int:
         by_group: dict[int, list[dict]] = {}
         for row in rows:
             by_group.setdefault(row["group"], []).append({k: row[k] for k in ("id", "path", "score")})
-        body = {"threshold": args.threshold, "k": args.k, "groups": [
-            {"size": len(g.ids), "items": by_group.get(n, []),
-             "pairs": [[a, b, round(s, 6)] for a, b, s in g.pairs]} for n, g in enumerate(groups, 1)]}
+        body = {
+            "threshold": args.threshold,
+            "k": args.k,
+            "groups": [
+                {
+                    "size": len(g.ids),
+                    "items": by_group.get(n, []),
+                    "pairs": [[a, b, round(s, 6)] for a, b, s in g.pairs],
+                }
+                for n, g in enumerate(groups, 1)
+            ],
+        }
         text = json.dumps(body, indent=2, ensure_ascii=False) + "\n"
         if args.out is None:
             print(text, end="")
@@ -60,14 +70,21 @@ def cmd_duplicates(args: argparse.Namespace) -> int:
 def register(sub) -> None:
     from moco_retrieval.indexer.duplicates import DUPLICATE_K
 
-    p = sub.add_parser("duplicates", help="list groups of near-identical indexed images",
-                       description="Find groups of near-duplicate images in an index directory: connected "
-                                   "components of pairs at least --threshold similar.",
-                       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "duplicates",
+        help="list groups of near-identical indexed images",
+        description="Find groups of near-duplicate images in an index directory: connected "
+        "components of pairs at least --threshold similar.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("index_dir", metavar="INDEX_DIR", help="an index directory written by `moco index`")
-    p.add_argument("--threshold", type=float, default=0.95,
-                   help="cosine similarity at which two images count as duplicates (default 0.95)")
-    p.add_argument("-k", type=int, default=DUPLICATE_K,
-                   help=f"neighbours compared per image (default {DUPLICATE_K})")
+    p.add_argument(
+        "--threshold",
+        type=float,
+        default=0.95,
+        help="cosine similarity at which two images count as duplicates (default 0.95)",
+    )
+    p.add_argument("-k", type=int, default=DUPLICATE_K, help=f"neighbours compared per image (default {DUPLICATE_K})")
     p.add_argument("--out", metavar="FILE", default=None, help="write FILE (.json or .csv) instead of JSON on stdout")
     p.set_defaults(func=cmd_duplicates)

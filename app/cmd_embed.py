@@ -1,4 +1,5 @@
 """``moco embed``: embed an image folder with an exported encoder straight into Parquet (or .npy), no index kept."""
+
 from __future__ import annotations
 
 import argparse
@@ -24,17 +25,25 @@ def register(sub) -> None:
     from moco_retrieval.contracts.options import add_arguments
     from moco_retrieval.indexer.config import IndexConfig
 
-    p = sub.add_parser("embed", help="embed an image folder into Parquet (or .npy) without building an index",
-                       description="Embed every image of IMAGE_DIR with an exported encoder and write id, path, "
-                                   "label, size, sha256 and the embedding of each to a Parquet file.",
-                       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "embed",
+        help="embed an image folder into Parquet (or .npy) without building an index",
+        description="Embed every image of IMAGE_DIR with an exported encoder and write id, path, "
+        "label, size, sha256 and the embedding of each to a Parquet file.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("image_dir", metavar="IMAGE_DIR", help="folder of images (searched recursively)")
     p.add_argument("--model", required=True, metavar="ENCODER_ONNX", help="encoder.onnx written by `moco export`")
-    p.add_argument("--out", dest="out_dir", required=True, metavar="FILE",
-                   help="the Parquet file to write (replaced atomically)")
-    p.add_argument("--npy", action="store_true",
-                   help="vectors to FILE.npy (float32 [N, D]) and the other columns to FILE.parquet, row for row "
-                        "(clip-retrieval's layout)")
+    p.add_argument(
+        "--out", dest="out_dir", required=True, metavar="FILE", help="the Parquet file to write (replaced atomically)"
+    )
+    p.add_argument(
+        "--npy",
+        action="store_true",
+        help="vectors to FILE.npy (float32 [N, D]) and the other columns to FILE.parquet, row for row "
+        "(clip-retrieval's layout)",
+    )
     add_arguments(p, IndexConfig, only=GENERATED)
     p.set_defaults(func=cmd_embed)
 
@@ -48,8 +57,10 @@ def cmd_embed(args: argparse.Namespace) -> int:
     result = embed_folder(from_arguments(IndexConfig, args), npy=args.npy)
     run, written = result.index, result.written
     resumed = f" (+{run.resumed} resumed)" if run.resumed else ""
-    print(f"embedded {run.embedded} images{resumed}; wrote {written.rows} rows ({written.dim}-d) to "
-          f"{', '.join(map(str, written.paths))}")
+    print(
+        f"embedded {run.embedded} images{resumed}; wrote {written.rows} rows ({written.dim}-d) to "
+        f"{', '.join(map(str, written.paths))}"
+    )
     if run.skipped:
         print(f"skipped {len(run.skipped)} unreadable files:")
         for item in run.skipped[:20]:

@@ -3,6 +3,7 @@
 MODEL is a run directory, a checkpoint, or an exported ``.onnx`` encoder; an ONNX file is run through the
 indexer's ONNX Runtime encoder, exactly as ``moco index`` and ``moco serve`` will run it.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,8 +24,9 @@ and are written as JSON to --out (default: eval_<protocol>.json next to MODEL).
 """
 
 
-def open_model(model: str, device: str, batch_size: int, workers: int, arch: str | None = None,
-               image_size: int | None = None):
+def open_model(
+    model: str, device: str, batch_size: int, workers: int, arch: str | None = None, image_size: int | None = None
+):
     """An embedder for MODEL: the ONNX encoder for ``.onnx`` files, else the backbone of the checkpoint or
     weights file (torchvision, timm, MoCo v1/v2/v3: what ``moco train --init`` reads)."""
     if model.endswith(".onnx"):
@@ -36,8 +38,9 @@ def open_model(model: str, device: str, batch_size: int, workers: int, arch: str
         return OnnxEncoder(model, device=device)
     from moco_retrieval.trainer.evaluate import CheckpointEmbedder
 
-    return CheckpointEmbedder(model, device=device, batch_size=batch_size, workers=workers, arch=arch,
-                              image_size=image_size)
+    return CheckpointEmbedder(
+        model, device=device, batch_size=batch_size, workers=workers, arch=arch, image_size=image_size
+    )
 
 
 def default_out(model: str, protocol: str) -> Path:
@@ -56,10 +59,22 @@ def cmd_eval(args: argparse.Namespace) -> int:
     embedder = open_model(args.model, args.device, args.batch_size, args.workers, args.arch, args.image_size)
     probe = None
     if args.protocol == "linear":
-        probe = LinearProbeConfig(epochs=args.epochs, batch_size=args.probe_batch_size, lr=args.lr,
-                                  weight_decay=args.weight_decay, seed=args.seed)
-    doc = evaluate(args.protocol, embedder, args.train, args.test, ks=tuple(getattr(args, "k", EVAL_KS)),
-                   temperature=getattr(args, "temperature", KNN_TEMPERATURE), probe=probe)
+        probe = LinearProbeConfig(
+            epochs=args.epochs,
+            batch_size=args.probe_batch_size,
+            lr=args.lr,
+            weight_decay=args.weight_decay,
+            seed=args.seed,
+        )
+    doc = evaluate(
+        args.protocol,
+        embedder,
+        args.train,
+        args.test,
+        ks=tuple(getattr(args, "k", EVAL_KS)),
+        temperature=getattr(args, "temperature", KNN_TEMPERATURE),
+        probe=probe,
+    )
     out = write_results(doc, args.out or default_out(args.model, args.protocol))
     print(format_table(doc))
     print(f"wrote {out}")
@@ -84,56 +99,104 @@ def _k_list(value: str) -> list[int]:
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", metavar="MODEL",
-                   help="run directory, checkpoint (.pt), exported encoder (.onnx), or a weights file moco train "
-                        "--init reads (torchvision, timm, facebookresearch/moco or moco-v3) to evaluate")
-    p.add_argument("--arch", default=None,
-                   help="for a weights file: the architecture you expect (checked against the file)")
-    p.add_argument("--image-size", type=int, default=None,
-                   help="for a weights file: input size in pixels (default: a ViT's own, 224 for a ResNet)")
-    p.add_argument("--train", required=True, metavar="LABELED_DIR",
-                   help="labeled folder (<dir>/<class>/<image>) the classifier learns from")
-    p.add_argument("--test", required=True, metavar="LABELED_DIR",
-                   help="labeled folder (<dir>/<class>/<image>) whose accuracy is reported")
-    p.add_argument("--out", default=None, metavar="JSON",
-                   help="results file (default: eval_<protocol>.json in the run directory / next to MODEL)")
+    p.add_argument(
+        "model",
+        metavar="MODEL",
+        help="run directory, checkpoint (.pt), exported encoder (.onnx), or a weights file moco train "
+        "--init reads (torchvision, timm, facebookresearch/moco or moco-v3) to evaluate",
+    )
+    p.add_argument(
+        "--arch", default=None, help="for a weights file: the architecture you expect (checked against the file)"
+    )
+    p.add_argument(
+        "--image-size",
+        type=int,
+        default=None,
+        help="for a weights file: input size in pixels (default: a ViT's own, 224 for a ResNet)",
+    )
+    p.add_argument(
+        "--train",
+        required=True,
+        metavar="LABELED_DIR",
+        help="labeled folder (<dir>/<class>/<image>) the classifier learns from",
+    )
+    p.add_argument(
+        "--test",
+        required=True,
+        metavar="LABELED_DIR",
+        help="labeled folder (<dir>/<class>/<image>) whose accuracy is reported",
+    )
+    p.add_argument(
+        "--out",
+        default=None,
+        metavar="JSON",
+        help="results file (default: eval_<protocol>.json in the run directory / next to MODEL)",
+    )
     p.add_argument("--device", default="auto", help="auto (GPU when usable), cpu, cuda or cuda:N (default auto)")
-    p.add_argument("--batch-size", type=_check_positive, default=256,
-                   help="images per forward pass when computing features (default 256)")
-    p.add_argument("--workers", type=int, default=0,
-                   help="image-decoding processes for checkpoint models (default 0 = in the main process)")
+    p.add_argument(
+        "--batch-size",
+        type=_check_positive,
+        default=256,
+        help="images per forward pass when computing features (default 256)",
+    )
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=0,
+        help="image-decoding processes for checkpoint models (default 0 = in the main process)",
+    )
 
 
 def register(sub) -> None:
-    p = sub.add_parser("eval", help="measure a trained encoder: k-NN or linear-probe top-1 accuracy",
-                       description="Measure a trained encoder the way the MoCo papers do, on a labeled training "
-                                   "folder and a labeled test folder. Backbone features are computed once "
-                                   "(frozen, eval mode) and reused.",
-                       epilog=EPILOG_EVAL, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "eval",
+        help="measure a trained encoder: k-NN or linear-probe top-1 accuracy",
+        description="Measure a trained encoder the way the MoCo papers do, on a labeled training "
+        "folder and a labeled test folder. Backbone features are computed once "
+        "(frozen, eval mode) and reused.",
+        epilog=EPILOG_EVAL,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     protocols = p.add_subparsers(dest="protocol", metavar="PROTOCOL", required=True)
 
-    knn = protocols.add_parser("knn", help=f"weighted k-NN on cosine similarity (k={' and '.join(map(str, EVAL_KS))}, T={KNN_TEMPERATURE})",
-                               description="Classify each test image by a vote of its k most similar training "
-                                           "images (cosine similarity, votes weighted exp(similarity/T)).",
-                               epilog=EPILOG_EVAL, formatter_class=argparse.RawDescriptionHelpFormatter)
+    knn = protocols.add_parser(
+        "knn",
+        help=f"weighted k-NN on cosine similarity (k={' and '.join(map(str, EVAL_KS))}, T={KNN_TEMPERATURE})",
+        description="Classify each test image by a vote of its k most similar training "
+        "images (cosine similarity, votes weighted exp(similarity/T)).",
+        epilog=EPILOG_EVAL,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     _add_common(knn)
-    knn.add_argument("--k", type=_k_list, default=list(EVAL_KS), metavar="K[,K...]",
-                     help=f"neighbour counts to report, comma-separated (default {','.join(map(str, EVAL_KS))}; "
-                          "clipped to the training images)")
-    knn.add_argument("--temperature", type=float, default=KNN_TEMPERATURE,
-                     help=f"vote temperature T (default {KNN_TEMPERATURE})")
+    knn.add_argument(
+        "--k",
+        type=_k_list,
+        default=list(EVAL_KS),
+        metavar="K[,K...]",
+        help=f"neighbour counts to report, comma-separated (default {','.join(map(str, EVAL_KS))}; "
+        "clipped to the training images)",
+    )
+    knn.add_argument(
+        "--temperature", type=float, default=KNN_TEMPERATURE, help=f"vote temperature T (default {KNN_TEMPERATURE})"
+    )
     knn.set_defaults(func=cmd_eval)
 
-    linear = protocols.add_parser("linear", help="linear classifier trained on frozen features",
-                                  description="Train a linear classifier on the frozen, standardised backbone "
-                                              "features of the training folder; report its test accuracy.",
-                                  epilog=EPILOG_EVAL, formatter_class=argparse.RawDescriptionHelpFormatter)
+    linear = protocols.add_parser(
+        "linear",
+        help="linear classifier trained on frozen features",
+        description="Train a linear classifier on the frozen, standardised backbone "
+        "features of the training folder; report its test accuracy.",
+        epilog=EPILOG_EVAL,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     _add_common(linear)
-    linear.add_argument("--epochs", type=_check_positive, default=100,
-                        help="passes over the cached features (default 100)")
+    linear.add_argument(
+        "--epochs", type=_check_positive, default=100, help="passes over the cached features (default 100)"
+    )
     linear.add_argument("--lr", type=float, default=0.1, help="peak SGD learning rate, cosine-decayed (default 0.1)")
     linear.add_argument("--weight-decay", type=float, default=0.0, help="L2 on the classifier (default 0)")
-    linear.add_argument("--probe-batch-size", type=_check_positive, default=256,
-                        help="features per classifier step (default 256)")
+    linear.add_argument(
+        "--probe-batch-size", type=_check_positive, default=256, help="features per classifier step (default 256)"
+    )
     linear.add_argument("--seed", type=int, default=0, help="seed for the classifier's init and shuffling")
     linear.set_defaults(func=cmd_eval)

@@ -1,4 +1,5 @@
 """``moco export``: a trained checkpoint's encoder as a self-describing, verified ONNX file."""
+
 from __future__ import annotations
 
 import argparse
@@ -25,8 +26,16 @@ def cmd_export(args: argparse.Namespace) -> int:
     if (args.checkpoint is None) == (args.init is None):
         raise ConfigError("give either a run directory / checkpoint or --init SOURCE, not both or neither")
     if args.init is not None:
-        result = export_pretrained(args.init, args.out, arch=args.arch, image_size=args.image_size, fp16=args.fp16,
-                                   opset=args.opset, verify=args.verify, data_dir=args.verify_images)
+        result = export_pretrained(
+            args.init,
+            args.out,
+            arch=args.arch,
+            image_size=args.image_size,
+            fp16=args.fp16,
+            opset=args.opset,
+            verify=args.verify,
+            data_dir=args.verify_images,
+        )
     else:
         if args.arch is not None or args.image_size is not None:
             raise ConfigError("--arch and --image-size go with --init; a run's checkpoint states its own")
@@ -39,38 +48,71 @@ def cmd_export(args: argparse.Namespace) -> int:
     else:
         print("verification skipped (--no-verify)")
     size_mb = result.path.stat().st_size / 1e6
-    print(f"wrote {result.path} ({size_mb:.1f} MB, {meta['precision']}): {model_label(meta)}, "
-          f"input uint8 [N, {meta['image_size']}, {meta['image_size']}, 3], output float32 "
-          f"[N, {meta['embedding_dim']}]")
+    print(
+        f"wrote {result.path} ({size_mb:.1f} MB, {meta['precision']}): {model_label(meta)}, "
+        f"input uint8 [N, {meta['image_size']}, {meta['image_size']}, 3], output float32 "
+        f"[N, {meta['embedding_dim']}]"
+    )
     return 0
 
 
 def register(sub) -> None:
-    p = sub.add_parser("export", help="export a trained encoder to ONNX for indexing and serving",
-                       description="Export the encoder of a training run (the query backbone, without the "
-                                   "projection/prediction heads) to one ONNX file, then check that ONNX Runtime "
-                                   "gives the same embeddings as PyTorch on a few of the run's images. The file "
-                                   "is written only if the check passes.",
-                       epilog=EPILOG_EXPORT, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("checkpoint", metavar="RUN_DIR_OR_CHECKPOINT", nargs="?", default=None,
-                   help="a run directory from `moco train` (uses its checkpoint_last.pt) or a checkpoint .pt file")
-    p.add_argument("--init", metavar="SOURCE", default=None,
-                   help="export these weights as they are, without training: a local torchvision or timm state "
-                        "dict (.pth/.pt/.bin/.safetensors), a facebookresearch/moco or moco-v3 checkpoint; the "
-                        "metadata records its name and sha256")
+    p = sub.add_parser(
+        "export",
+        help="export a trained encoder to ONNX for indexing and serving",
+        description="Export the encoder of a training run (the query backbone, without the "
+        "projection/prediction heads) to one ONNX file, then check that ONNX Runtime "
+        "gives the same embeddings as PyTorch on a few of the run's images. The file "
+        "is written only if the check passes.",
+        epilog=EPILOG_EXPORT,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "checkpoint",
+        metavar="RUN_DIR_OR_CHECKPOINT",
+        nargs="?",
+        default=None,
+        help="a run directory from `moco train` (uses its checkpoint_last.pt) or a checkpoint .pt file",
+    )
+    p.add_argument(
+        "--init",
+        metavar="SOURCE",
+        default=None,
+        help="export these weights as they are, without training: a local torchvision or timm state "
+        "dict (.pth/.pt/.bin/.safetensors), a facebookresearch/moco or moco-v3 checkpoint; the "
+        "metadata records its name and sha256",
+    )
     p.add_argument("--arch", default=None, help="with --init: the architecture you expect (checked against the file)")
-    p.add_argument("--image-size", type=int, default=None,
-                   help="with --init: the encoder's input size in pixels (default: a ViT's own, 224 for a ResNet)")
-    p.add_argument("--verify-images", metavar="DIR", default=None,
-                   help="with --init: a folder of images to verify the export on (default: generated ones)")
+    p.add_argument(
+        "--image-size",
+        type=int,
+        default=None,
+        help="with --init: the encoder's input size in pixels (default: a ViT's own, 224 for a ResNet)",
+    )
+    p.add_argument(
+        "--verify-images",
+        metavar="DIR",
+        default=None,
+        help="with --init: a folder of images to verify the export on (default: generated ones)",
+    )
     p.add_argument("--out", required=True, metavar="ENCODER_ONNX", help="the .onnx file to write, e.g. encoder.onnx")
-    p.add_argument("--fp16", action="store_true",
-                   help="store the network in float16: half the file size, faster on GPUs; input and output "
-                        "types stay the same")
+    p.add_argument(
+        "--fp16",
+        action="store_true",
+        help="store the network in float16: half the file size, faster on GPUs; input and output types stay the same",
+    )
     # No trainer import here (it pulls in torch, and `moco --help` must stay instant); a test keeps the
     # numbers in this help equal to trainer.export's DEFAULT_OPSET / MIN_OPSET / MAX_OPSET.
-    p.add_argument("--opset", type=int, default=None,
-                   help="ONNX opset version, 14-20 (default 17); lower it only for an old runtime")
-    p.add_argument("--no-verify", dest="verify", action="store_false",
-                   help="skip the ONNX Runtime vs PyTorch check (not recommended)")
+    p.add_argument(
+        "--opset",
+        type=int,
+        default=None,
+        help="ONNX opset version, 14-20 (default 17); lower it only for an old runtime",
+    )
+    p.add_argument(
+        "--no-verify",
+        dest="verify",
+        action="store_false",
+        help="skip the ONNX Runtime vs PyTorch check (not recommended)",
+    )
     p.set_defaults(func=cmd_export)

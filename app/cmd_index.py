@@ -1,4 +1,5 @@
 """``moco index``: embed an image folder with an exported encoder into a FAISS + LMDB index directory."""
+
 from __future__ import annotations
 
 import argparse
@@ -69,10 +70,14 @@ def register(sub) -> None:
     from moco_retrieval.contracts.options import add_arguments
     from moco_retrieval.indexer.config import GROUPS, IndexConfig
 
-    p = sub.add_parser("index", help="index an image folder for similarity search (FAISS + LMDB)",
-                       description="Embed every image of IMAGE_DIR with an exported encoder and build a searchable "
-                                   "index directory; rerun to update it incrementally.",
-                       epilog=EPILOG_INDEX, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "index",
+        help="index an image folder for similarity search (FAISS + LMDB)",
+        description="Embed every image of IMAGE_DIR with an exported encoder and build a searchable "
+        "index directory; rerun to update it incrementally.",
+        epilog=EPILOG_INDEX,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_arguments(p, IndexConfig, groups=GROUPS)
     p.set_defaults(func=cmd_index)
 
@@ -88,9 +93,11 @@ def cmd_index(args: argparse.Namespace) -> int:
     result = build_index_dir(cfg)
     if result.mode == "rank":
         t = result.timings
-        print(f"rank {result.rank} of {result.world_size}: embedded {result.embedded} images"
-              + (f" (+{result.resumed} resumed)" if result.resumed else "")
-              + f" in {t.get('embed', 0):.1f} s; rank 0 builds and publishes")
+        print(
+            f"rank {result.rank} of {result.world_size}: embedded {result.embedded} images"
+            + (f" (+{result.resumed} resumed)" if result.resumed else "")
+            + f" in {t.get('embed', 0):.1f} s; rank 0 builds and publishes"
+        )
         return 0
     print_index_result(result)
     return 0
@@ -104,11 +111,21 @@ def cmd_verify(out: str) -> int:
     checked = result.checked
     rows = [("index directory", result.index_dir), ("generation", f"{result.generation} (live), {result.count} items")]
     if result.recorded:
-        rows.append(("verified", f"{checked.hashed} files, {checked.bytes_hashed / 1e6:,.1f} MB: sha256 as recorded "
-                                 f"in the manifest ({checked.seconds:.2f} s); the generation opens"))
+        rows.append(
+            (
+                "verified",
+                f"{checked.hashed} files, {checked.bytes_hashed / 1e6:,.1f} MB: sha256 as recorded "
+                f"in the manifest ({checked.seconds:.2f} s); the generation opens",
+            )
+        )
     else:
-        rows.append(("verified", "the generation opens, but its manifest records no checksums (written before "
-                                 "they were): `moco index --compact now` writes a generation that has them"))
+        rows.append(
+            (
+                "verified",
+                "the generation opens, but its manifest records no checksums (written before "
+                "they were): `moco index --compact now` writes a generation that has them",
+            )
+        )
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         print(f"{key:<{width}}  {value}")
@@ -137,22 +154,47 @@ def print_index_result(result) -> None:
         ("skipped (unreadable)", f"{len(result.skipped)}"),
         ("not images (ignored)", describe_not_images(result.not_images) if result.not_images else "0"),
         ("embedded this run", f"{result.embedded}" + (f" (+{result.resumed} resumed)" if result.resumed else "")),
-        ("index", result.factory + "".join(f", {k}={v}" for k, v in result.search_params.items())
-         + (f" (+{result.delta_count} in the delta, {result.removed_count} removed since the last compaction)"
-            if result.delta_count or result.removed_count else "")),
-        ("recall@10", "exact" if result.recall_at_10 == 1.0 and not result.search_params
-         else (f"{result.recall_at_10:.3f}" if result.recall_at_10 is not None else "-")),
+        (
+            "index",
+            result.factory
+            + "".join(f", {k}={v}" for k, v in result.search_params.items())
+            + (
+                f" (+{result.delta_count} in the delta, {result.removed_count} removed since the last compaction)"
+                if result.delta_count or result.removed_count
+                else ""
+            ),
+        ),
+        (
+            "recall@10",
+            "exact"
+            if result.recall_at_10 == 1.0 and not result.search_params
+            else (f"{result.recall_at_10:.3f}" if result.recall_at_10 is not None else "-"),
+        ),
     ]
     if result.embedded and t.get("embed"):
-        rows.append(("throughput", f"{result.embedded / t['embed']:.1f} images/s end to end; encoder "
-                                   f"{t['encoder']:.1f} s, waiting for decoding {t['decode_wait']:.1f} s"))
+        rows.append(
+            (
+                "throughput",
+                f"{result.embedded / t['embed']:.1f} images/s end to end; encoder "
+                f"{t['encoder']:.1f} s, waiting for decoding {t['decode_wait']:.1f} s",
+            )
+        )
     if result.world_size > 1:
         rows.append(("ranks", f"{result.world_size} (waited {t.get('wait_for_ranks', 0):.1f} s for the others)"))
     publish = sum(t.get(k, 0) for k in ("plan", "commit", "index", "publish"))
-    rows.append(("time", f"{t.get('total', 0):.1f} s (scan {t.get('scan', 0):.1f} s, embedding {t.get('embed', 0):.1f} s, "
-                         f"plan + commit + publish {publish:.1f} s"
-                 + (f", compaction {t.get('compact_metadata', 0) + t.get('compact_index', 0):.1f} s"
-                    if result.compacted else "") + ")"))
+    rows.append(
+        (
+            "time",
+            f"{t.get('total', 0):.1f} s (scan {t.get('scan', 0):.1f} s, embedding {t.get('embed', 0):.1f} s, "
+            f"plan + commit + publish {publish:.1f} s"
+            + (
+                f", compaction {t.get('compact_metadata', 0) + t.get('compact_index', 0):.1f} s"
+                if result.compacted
+                else ""
+            )
+            + ")",
+        )
+    )
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         print(f"{key:<{width}}  {value}")

@@ -1,4 +1,5 @@
 """``moco serve``, ``moco search`` and ``moco classify``: answering queries over an index directory."""
+
 from __future__ import annotations
 
 import argparse
@@ -71,8 +72,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         threads = args.threads or max(1, available_cores() // args.workers)  # the cores, shared by the workers
         config = _engine_config(args, threads=threads)
         _check_index(args.index_dir, args.model)  # once here: a bad index fails in one line, not in N workers
-        serve_workers(args.index_dir, config, args.host, args.port, ui=args.ui, workers=args.workers,
-                      metrics=args.metrics)
+        serve_workers(
+            args.index_dir, config, args.host, args.port, ui=args.ui, workers=args.workers, metrics=args.metrics
+        )
         return 0
     config = _engine_config(args)
     with SearchEngine(args.index_dir, config) as engine:
@@ -99,8 +101,13 @@ def _check_index(index_dir: str, model: str | None) -> None:
         if not model:
             check_encoder_copy(path, directory.manifest, index_dir)
         meta = read_encoder_metadata(path)
-        directory.manifest.check_encoder(hashlib.sha256(path.read_bytes()).hexdigest(), meta["embedding_dim"], path,
-                                         str(index_dir), "serve it with the model it was built with")
+        directory.manifest.check_encoder(
+            hashlib.sha256(path.read_bytes()).hexdigest(),
+            meta["embedding_dim"],
+            path,
+            str(index_dir),
+            "serve it with the model it was built with",
+        )
 
 
 def _many(args) -> bool:
@@ -120,8 +127,12 @@ def _answer_many(args, answer, row, columns) -> int:
         from moco_retrieval.indexer.encoder import available_cores
 
         workers = engine.config.decode_slots or available_cores()  # decodes in parallel, as the server's
-        rows = (row(path, res) for path, res in answer_in_batches(paths, engine.config.max_batch,
-                                                                 lambda chunk: answer(engine, chunk), workers))
+        rows = (
+            row(path, res)
+            for path, res in answer_in_batches(
+                paths, engine.config.max_batch, lambda chunk: answer(engine, chunk), workers
+            )
+        )
         n = write_rows(rows, args.out, fmt, columns)
     if args.out is not None:
         print(f"{n} queries answered into {args.out}")
@@ -135,8 +146,9 @@ def cmd_search(args: argparse.Namespace) -> int:
         from moco_retrieval.app.query_files import SEARCH_COLUMNS, search_row
 
         flt = _filter(args)
-        return _answer_many(args, lambda engine, chunk: engine.search(chunk, args.k, args.min_score, flt),
-                            search_row, SEARCH_COLUMNS)
+        return _answer_many(
+            args, lambda engine, chunk: engine.search(chunk, args.k, args.min_score, flt), search_row, SEARCH_COLUMNS
+        )
     from moco_retrieval.serve.answers import search_answer
 
     with SearchEngine(args.index_dir, _engine_config(args, poll_seconds=0)) as engine:
@@ -161,8 +173,9 @@ def cmd_classify(args: argparse.Namespace) -> int:
     if _many(args):
         from moco_retrieval.app.query_files import CLASSIFY_COLUMNS, classify_row
 
-        return _answer_many(args, lambda engine, chunk: engine.classify(chunk, args.k, args.temperature),
-                            classify_row, CLASSIFY_COLUMNS)
+        return _answer_many(
+            args, lambda engine, chunk: engine.classify(chunk, args.k, args.temperature), classify_row, CLASSIFY_COLUMNS
+        )
     from moco_retrieval.serve.answers import classify_answer
 
     with SearchEngine(args.index_dir, _engine_config(args, poll_seconds=0)) as engine:
@@ -175,8 +188,10 @@ def cmd_classify(args: argparse.Namespace) -> int:
         print(f"no labeled item among the {len(res.neighbors)} nearest neighbours of {args.image[0]}")
         return 0
     voters = sum(1 for h in res.neighbors if h.get("label") is not None)
-    print(f"{args.image[0]}: {res.label} ({100 * res.probabilities[res.label]:.1f}%, {voters} labeled neighbours "
-          f"of k={len(res.neighbors)} voting)")
+    print(
+        f"{args.image[0]}: {res.label} ({100 * res.probabilities[res.label]:.1f}%, {voters} labeled neighbours "
+        f"of k={len(res.neighbors)} voting)"
+    )
     for label, p in list(res.probabilities.items())[:5]:
         print(f"  {label:<20} {100 * p:5.1f}%")
     return 0
@@ -190,25 +205,34 @@ def _common(p: argparse.ArgumentParser, flags: tuple[str, ...] = ENGINE_FLAGS) -
     add_arguments(p, EngineConfig, only=flags)
 
 
-
-
 def _filter(args):
     """The SearchFilter of the filter flags, or ``None``."""
     from moco_retrieval.serve.search_filter import SearchFilter
 
-    flt = SearchFilter(labels=tuple(args.label or ()), path_prefix=args.path_prefix, min_width=args.min_width,
-                       max_width=args.max_width, min_height=args.min_height, max_height=args.max_height,
-                       exclude=tuple(args.exclude or ()))
+    flt = SearchFilter(
+        labels=tuple(args.label or ()),
+        path_prefix=args.path_prefix,
+        min_width=args.min_width,
+        max_width=args.max_width,
+        min_height=args.min_height,
+        max_height=args.max_height,
+        exclude=tuple(args.exclude or ()),
+    )
     return flt or None
 
 
 def _filter_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("filters (only items that pass all of them)")
     g.add_argument("--label", action="append", metavar="LABEL", help="items with this label; repeat for several")
-    g.add_argument("--path-prefix", metavar="PREFIX", help="items whose relative path starts with this (a folder: "
-                   "shoes/)")
-    for name, what in (("min-width", "at least this wide"), ("max-width", "at most this wide"),
-                       ("min-height", "at least this tall"), ("max-height", "at most this tall")):
+    g.add_argument(
+        "--path-prefix", metavar="PREFIX", help="items whose relative path starts with this (a folder: shoes/)"
+    )
+    for name, what in (
+        ("min-width", "at least this wide"),
+        ("max-width", "at most this wide"),
+        ("min-height", "at least this tall"),
+        ("max-height", "at most this tall"),
+    ):
         g.add_argument(f"--{name}", type=int, metavar="PX", help=f"images {what} (pixels)")
     g.add_argument("--exclude", type=int, action="append", metavar="ID", help="never this item id; repeatable")
 
@@ -216,52 +240,92 @@ def _filter_flags(p: argparse.ArgumentParser) -> None:
 def _batch_output(p: argparse.ArgumentParser) -> None:
     from moco_retrieval.app.query_files import FORMATS
 
-    p.add_argument("--out", metavar="FILE", default=None,
-                   help="write one row per query image to FILE (.csv or .jsonl); several images or a folder "
-                        "without --out print JSONL")
+    p.add_argument(
+        "--out",
+        metavar="FILE",
+        default=None,
+        help="write one row per query image to FILE (.csv or .jsonl); several images or a folder "
+        "without --out print JSONL",
+    )
     p.add_argument("--format", choices=FORMATS, default=None, help="the rows' format (default: --out's suffix)")
 
 
 def register(sub) -> None:
     fmt = argparse.RawDescriptionHelpFormatter
-    p = sub.add_parser("serve", help="serve search and classification over HTTP with a web app",
-                       description="Start a web server over an index directory: a web app at / (drop an image, "
-                                   "see its nearest neighbours and a k-NN label), and a JSON API under /api.",
-                       epilog=EPILOG_SERVE, formatter_class=fmt)
+    p = sub.add_parser(
+        "serve",
+        help="serve search and classification over HTTP with a web app",
+        description="Start a web server over an index directory: a web app at / (drop an image, "
+        "see its nearest neighbours and a k-NN label), and a JSON API under /api.",
+        epilog=EPILOG_SERVE,
+        formatter_class=fmt,
+    )
     _common(p, SERVE_FLAGS)
-    p.add_argument("--host", default="127.0.0.1",
-                   help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0 for all)")
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0 for all)",
+    )
     p.add_argument("--port", type=int, default=7860, help="port to listen on (default 7860)")
     p.add_argument("--no-ui", dest="ui", action="store_false", help="serve only the JSON API, without the web app")
-    p.add_argument("--no-metrics", dest="metrics", action="store_false",
-                   help="no Prometheus metrics at /metrics (they are on by default)")
-    p.add_argument("--workers", type=int, default=1,
-                   help="server processes on the port, sharing one memory-mapped index (default 1); the encoder "
-                        "threads are split between them unless --threads is given")
+    p.add_argument(
+        "--no-metrics",
+        dest="metrics",
+        action="store_false",
+        help="no Prometheus metrics at /metrics (they are on by default)",
+    )
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="server processes on the port, sharing one memory-mapped index (default 1); the encoder "
+        "threads are split between them unless --threads is given",
+    )
     p.set_defaults(func=cmd_serve)
 
-    p = sub.add_parser("search", help="print the indexed images most similar to an image",
-                       description="Embed IMAGE with the index's model and print its nearest indexed images "
-                                   "(cosine similarity), best first.", epilog=EPILOG_SEARCH, formatter_class=fmt)
+    p = sub.add_parser(
+        "search",
+        help="print the indexed images most similar to an image",
+        description="Embed IMAGE with the index's model and print its nearest indexed images "
+        "(cosine similarity), best first.",
+        epilog=EPILOG_SEARCH,
+        formatter_class=fmt,
+    )
     _common(p)
     p.add_argument("image", metavar="IMAGE", nargs="+", help="query image files or folders of them")
-    p.add_argument("-k", type=int, default=None,
-                   help=f"how many neighbours (default {SEARCH_K}; with --min-score, at most this many)")
-    p.add_argument("--min-score", type=float, default=None,
-                   help="every neighbour with a cosine similarity of at least this (-1 to 1), up to -k")
+    p.add_argument(
+        "-k",
+        type=int,
+        default=None,
+        help=f"how many neighbours (default {SEARCH_K}; with --min-score, at most this many)",
+    )
+    p.add_argument(
+        "--min-score",
+        type=float,
+        default=None,
+        help="every neighbour with a cosine similarity of at least this (-1 to 1), up to -k",
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table (one image)")
     _batch_output(p)
     _filter_flags(p)
     p.set_defaults(func=cmd_search)
 
-    p = sub.add_parser("classify", help="predict an image's label from its labeled nearest neighbours",
-                       description="Predict IMAGE's label by a weighted vote of its k nearest labeled indexed "
-                                   "images.", epilog=EPILOG_CLASSIFY.format(k=KNN_K, t=KNN_TEMPERATURE), formatter_class=fmt)
+    p = sub.add_parser(
+        "classify",
+        help="predict an image's label from its labeled nearest neighbours",
+        description="Predict IMAGE's label by a weighted vote of its k nearest labeled indexed images.",
+        epilog=EPILOG_CLASSIFY.format(k=KNN_K, t=KNN_TEMPERATURE),
+        formatter_class=fmt,
+    )
     _common(p)
     p.add_argument("image", metavar="IMAGE", nargs="+", help="image files or folders of them to classify")
     p.add_argument("-k", type=int, default=None, help=f"neighbours that vote (default {KNN_K}, as the API's)")
-    p.add_argument("--temperature", type=float, default=KNN_TEMPERATURE,
-                   help=f"vote weight exp(similarity / T) (default {KNN_TEMPERATURE})")
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=KNN_TEMPERATURE,
+        help=f"vote weight exp(similarity / T) (default {KNN_TEMPERATURE})",
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of text (one image)")
     _batch_output(p)
     p.set_defaults(func=cmd_classify)

@@ -1,5 +1,6 @@
 """``moco train``: the MoCo trainer's command. Its options are generated from ``trainer.config.TrainConfig``
 (every field's help, type and default), so each option is stated once."""
+
 from __future__ import annotations
 
 import argparse
@@ -49,8 +50,10 @@ def _print_train_result(result) -> None:
         before = f" ({start} {100 * result.knn_before:.1f}%)" if result.knn_before is not None else ""
         knn = f", k-NN top-1 {100 * result.knn_acc:.1f}%{before}"
     loss = f", loss {result.loss:.3f}" if result.loss is not None else ""
-    print(f"trained {result.steps} steps ({result.epochs_done} epochs, stopped by {result.stopped_by}) on "
-          f"{result.images} images ({result.skipped} skipped){loss}{knn}")
+    print(
+        f"trained {result.steps} steps ({result.epochs_done} epochs, stopped by {result.stopped_by}) on "
+        f"{result.images} images ({result.skipped} skipped){loss}{knn}"
+    )
     print(f"run directory: {result.run_dir}")
 
 
@@ -58,17 +61,28 @@ def register(sub) -> None:
     from moco_retrieval.trainer.config import add_arguments
     from moco_retrieval.trainer.recipe_table import describe
 
-    p = sub.add_parser("train", help="train a MoCo encoder on a folder of unlabeled images",
-                       description="Train a MoCo encoder on a folder of images (labels are not needed). "
-                                   "Writes config.json, checkpoints, metrics.jsonl and metrics.png to --out.",
-                       epilog=EPILOG_TRAIN.format(recipe=describe()),
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "train",
+        help="train a MoCo encoder on a folder of unlabeled images",
+        description="Train a MoCo encoder on a folder of images (labels are not needed). "
+        "Writes config.json, checkpoints, metrics.jsonl and metrics.png to --out.",
+        epilog=EPILOG_TRAIN.format(recipe=describe()),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("data_dir", metavar="DATA_DIR", help="folder of images (searched recursively)")
     p.add_argument("--out", required=True, metavar="RUN_DIR", help="run directory for checkpoints and logs")
     add_arguments(p)
-    p.add_argument("--resume", metavar="CHECKPOINT_OR_RUN_DIR", default=None,
-                   help="continue from this checkpoint; by default a run directory with checkpoint_last.pt "
-                        "continues automatically")
-    p.add_argument("--stop-at-epoch", type=int, default=None,
-                   help="stop after this many epochs but keep the schedule of --epochs (continue later)")
+    p.add_argument(
+        "--resume",
+        metavar="CHECKPOINT_OR_RUN_DIR",
+        default=None,
+        help="continue from this checkpoint; by default a run directory with checkpoint_last.pt "
+        "continues automatically",
+    )
+    p.add_argument(
+        "--stop-at-epoch",
+        type=int,
+        default=None,
+        help="stop after this many epochs but keep the schedule of --epochs (continue later)",
+    )
     p.set_defaults(func=cmd_train)

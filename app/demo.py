@@ -4,6 +4,7 @@ Generate 1,600 labeled images (8 pattern classes), train MoCo v2 ResNet-18 with 
 number of steps (or a time budget), report the k-NN accuracy of the trained network against the same network at random
 initialisation, export it to ONNX, index the images and serve them.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -22,13 +23,27 @@ DEMO_EPOCHS = 72  # 432 steps at the auto batch of 256 (MoCo v2 on a CPU; 6 step
 def demo_train_config(out: Path, budget: str | None, device: str, epochs: int = DEMO_EPOCHS) -> TrainConfig:
     """A CPU-sized MoCo v2 run: ResNet-18 at 32 px, everything else from the auto recipe, for ``epochs`` (or for
     ``budget`` when one is given)."""
-    return TrainConfig(data_dir=str(out / "data"), out_dir=str(out / "run"), arch="resnet18",
-                       image_size=DEMO_IMAGE_SIZE, time_budget=budget, epochs=None if budget else epochs, workers=2,
-                       device=device, save_every=10**6)
+    return TrainConfig(
+        data_dir=str(out / "data"),
+        out_dir=str(out / "run"),
+        arch="resnet18",
+        image_size=DEMO_IMAGE_SIZE,
+        time_budget=budget,
+        epochs=None if budget else epochs,
+        workers=2,
+        device=device,
+        save_every=10**6,
+    )
 
 
-def run_demo(out: str | Path, budget: str | None = None, device: str = "auto", serve: bool = True,
-             host: str = "127.0.0.1", port: int = 7860) -> None:
+def run_demo(
+    out: str | Path,
+    budget: str | None = None,
+    device: str = "auto",
+    serve: bool = True,
+    host: str = "127.0.0.1",
+    port: int = 7860,
+) -> None:
     from moco_retrieval.trainer.train import train
 
     out = Path(out)
@@ -52,11 +67,13 @@ def knn_report(result) -> str:
     if result.knn_acc is None or result.knn_before is None:
         return f"trained {result.steps} steps"
     gain = 100 * (result.knn_acc - result.knn_before)
-    return (f"k-NN top-1 at random init: {100 * result.knn_before:.1f}%; after {result.steps} steps "
-            f"({result.epochs_done} epochs): {100 * result.knn_acc:.1f}% ({gain:+.1f} points)\n"
-            "(each demo image is classified by a vote of its 20 most similar other images in the network's "
-            "embedding space; 12.5% is chance over 8 classes, and a random network already scores about 50% "
-            "on colour and brightness alone: the gain is what self-supervised training added)")
+    return (
+        f"k-NN top-1 at random init: {100 * result.knn_before:.1f}%; after {result.steps} steps "
+        f"({result.epochs_done} epochs): {100 * result.knn_acc:.1f}% ({gain:+.1f} points)\n"
+        "(each demo image is classified by a vote of its 20 most similar other images in the network's "
+        "embedding space; 12.5% is chance over 8 classes, and a random network already scores about 50% "
+        "on colour and brightness alone: the gain is what self-supervised training added)"
+    )
 
 
 def export_demo_encoder(run_dir: Path, out: Path) -> Path:
@@ -75,8 +92,9 @@ def index_demo_images(data: Path, encoder: Path, index_dir: Path, device: str) -
     from moco_retrieval.indexer.build import IndexConfig, build_index_dir
 
     device = "cuda" if device.startswith("cuda") else device
-    print_index_result(build_index_dir(IndexConfig(str(data), str(encoder), str(index_dir), device=device,
-                                                   rebuild=True)))
+    print_index_result(
+        build_index_dir(IndexConfig(str(data), str(encoder), str(index_dir), device=device, rebuild=True))
+    )
 
 
 def serve_demo_index(index_dir: Path, device: str, host: str, port: int) -> None:

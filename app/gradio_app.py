@@ -21,6 +21,7 @@ upload folder, never a path on the server (Gradio checks this only in apps it la
 app is marked as launched); the development route ``/gradio_api/dev/reload`` is removed; uploads are deleted
 ``UPLOAD_LIFETIME_S`` after they arrive and the oldest go first once they hold more than ``UPLOAD_CACHE_BYTES``.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -135,15 +136,18 @@ def stats_markdown(stats: dict) -> str:
     """The index statistics panel: items, labels, model, index type, recall@10."""
     model, index = stats["model"], stats["index"]
     labels = stats["labels"]
-    label_text = (", ".join(f"{display_name(name)} ({n})" for name, n in labels.items()) if labels
-                  else "none (unlabeled corpus)")
+    label_text = (
+        ", ".join(f"{display_name(name)} ({n})" for name, n in labels.items()) if labels else "none (unlabeled corpus)"
+    )
     recall = index.get("recall_at_10")
-    return (f"**{stats['items']} items** · generation `{stats['generation']}` · updated {stats['updated_at']}  \n"
-            f"**labels:** {label_text}  \n"
-            f"**model:** {model_label(model)}, {model.get('image_size')} px, "
-            f"{model.get('embedding_dim')}-d, `{model['sha256'][:12]}` on {model.get('provider')}  \n"
-            f"**index:** `{index.get('factory')}` ({index.get('metric')}), recall@10 "
-            f"{'n/a' if recall is None else f'{recall:.3f}'}")
+    return (
+        f"**{stats['items']} items** · generation `{stats['generation']}` · updated {stats['updated_at']}  \n"
+        f"**labels:** {label_text}  \n"
+        f"**model:** {model_label(model)}, {model.get('image_size')} px, "
+        f"{model.get('embedding_dim')}-d, `{model['sha256'][:12]}` on {model.get('provider')}  \n"
+        f"**index:** `{index.get('factory')}` ({index.get('metric')}), recall@10 "
+        f"{'n/a' if recall is None else f'{recall:.3f}'}"
+    )
 
 
 def build_ui(engine: SearchEngine) -> gr.Blocks:
@@ -187,15 +191,16 @@ def build_ui(engine: SearchEngine) -> gr.Blocks:
             raise gr.Error("That result is no longer shown; search again.")
         return hits[evt.index]["id"]
 
-    def search_by_id(item_id: float | None, k: float, min_score: float | None = None,
-                     labels: list[str] | None = None):
+    def search_by_id(item_id: float | None, k: float, min_score: float | None = None, labels: list[str] | None = None):
         """Neighbours of an indexed item: (gallery, hits, label chart, query description)."""
         if item_id is None:
             raise gr.Error("Enter an item id, or click a search result.")
         res = _call(engine.search_by_id, int(item_id), int(k), _min_score(min_score), _filter(labels))
         q = res.query
-        about = (f"Searched from item {q['id']}: `{display_name(q['path'])}` "
-                 f"(label {display_name(q.get('label')) or 'none'})")
+        about = (
+            f"Searched from item {q['id']}: `{display_name(q['path'])}` "
+            f"(label {display_name(q.get('label')) or 'none'})"
+        )
         chart = _votes(_call(engine.classify_by_id, int(item_id), knn_k).probabilities) if engine.labels() else {}
         items, shown = _gallery(engine, res.hits, cache_dir)
         return gr.Gallery(value=items, selected_index=None), shown, chart, about
@@ -206,8 +211,10 @@ def build_ui(engine: SearchEngine) -> gr.Blocks:
             raise gr.Error("Enter an item id, or click a search result.")
         res = _call(engine.duplicates, int(item_id), float(threshold))
         items, shown = _gallery(engine, res.hits, cache_dir)
-        summary = (f"{len(shown)} near-duplicates of item {res.query['id']} (`{display_name(res.query['path'])}`) "
-                   f"at a score of {float(threshold):g} or more")
+        summary = (
+            f"{len(shown)} near-duplicates of item {res.query['id']} (`{display_name(res.query['path'])}`) "
+            f"at a score of {float(threshold):g} or more"
+        )
         return items, summary
 
     def stats():
@@ -216,24 +223,46 @@ def build_ui(engine: SearchEngine) -> gr.Blocks:
     # delete_cache: Gradio deletes the uploads (and its own copies) older than UPLOAD_LIFETIME_S
     with gr.Blocks(title="moco-retrieval search", delete_cache=(UPLOAD_SWEEP_S, UPLOAD_LIFETIME_S)) as ui:
         cache_dir = ui.GRADIO_CACHE  # the folder Gradio serves its own files from
-        examples = [[str(path)] for path in (ui_copy(engine, rec, cache_dir) for rec in engine.examples(EXAMPLES))
-                    if path is not None]
-        gr.Markdown("# moco-retrieval: image search\nDrop, paste or shoot an image to find the most similar "
-                    "images of the index and a k-NN label vote. Click a result to search from it.")
+        examples = [
+            [str(path)]
+            for path in (ui_copy(engine, rec, cache_dir) for rec in engine.examples(EXAMPLES))
+            if path is not None
+        ]
+        gr.Markdown(
+            "# moco-retrieval: image search\nDrop, paste or shoot an image to find the most similar "
+            "images of the index and a k-NN label vote. Click a result to search from it."
+        )
         stats_box = gr.Markdown(elem_id="stats")
         with gr.Row():
             with gr.Column(scale=1):
-                image = gr.Image(type="filepath", sources=["upload", "clipboard", "webcam"], label="Query image",
-                                 elem_id="query-image")
+                image = gr.Image(
+                    type="filepath",
+                    sources=["upload", "clipboard", "webcam"],
+                    label="Query image",
+                    elem_id="query-image",
+                )
                 k = gr.Slider(1, UI_MAX_K, value=SEARCH_K, step=1, label="k (neighbours)", elem_id="k")
-                min_score = gr.Slider(-1, 1, value=-1, step=0.01, elem_id="min-score",
-                                      label="min score (all results at least this similar, up to k; -1: off)")
+                min_score = gr.Slider(
+                    -1,
+                    1,
+                    value=-1,
+                    step=0.01,
+                    elem_id="min-score",
+                    label="min score (all results at least this similar, up to k; -1: off)",
+                )
                 label_names = sorted(engine.labels())
-                labels = gr.Dropdown(label_names, value=[], multiselect=True, elem_id="label-filter",
-                                     label="only these labels (none: all)", visible=bool(label_names))
+                labels = gr.Dropdown(
+                    label_names,
+                    value=[],
+                    multiselect=True,
+                    elem_id="label-filter",
+                    label="only these labels (none: all)",
+                    visible=bool(label_names),
+                )
                 button = gr.Button("Search", variant="primary", elem_id="search-button")
-                label = gr.Label(num_top_classes=5, label=f"k-NN prediction ({knn_k} neighbours vote)",
-                                 elem_id="prediction")
+                label = gr.Label(
+                    num_top_classes=5, label=f"k-NN prediction ({knn_k} neighbours vote)", elem_id="prediction"
+                )
                 with gr.Row():
                     item_id = gr.Number(value=None, label="Item id", precision=0, elem_id="item-id")
                     by_id = gr.Button("Search from id")
@@ -242,34 +271,61 @@ def build_ui(engine: SearchEngine) -> gr.Blocks:
                     gr.Examples(examples=examples, inputs=[image], label="Examples from the index")
             with gr.Column(scale=2):
                 # columns: UI_CSS makes them responsive (as many 8 rem columns as fit)
-                gallery = gr.Gallery(label="Nearest neighbours", columns=5, height="auto", elem_id="results",
-                                     allow_preview=False)
+                gallery = gr.Gallery(
+                    label="Nearest neighbours", columns=5, height="auto", elem_id="results", allow_preview=False
+                )
                 with gr.Accordion("Near-duplicates of an item", open=False, elem_id="duplicates-panel"):
-                    threshold = gr.Slider(0.5, 1.0, value=DUPLICATE_THRESHOLD, step=0.005, elem_id="dup-threshold",
-                                          label="at least this similar")
+                    threshold = gr.Slider(
+                        0.5,
+                        1.0,
+                        value=DUPLICATE_THRESHOLD,
+                        step=0.005,
+                        elem_id="dup-threshold",
+                        label="at least this similar",
+                    )
                     dup_button = gr.Button("Find near-duplicates of the item id", elem_id="dup-button")
                     dup_about = gr.Markdown(elem_id="dup-about")
-                    dup_gallery = gr.Gallery(label="Near-duplicates", columns=4, height="auto",
-                                             elem_id="duplicates", allow_preview=False)
+                    dup_gallery = gr.Gallery(
+                        label="Near-duplicates", columns=4, height="auto", elem_id="duplicates", allow_preview=False
+                    )
         hits = gr.State([])
 
-        gr.on([button.click, image.upload], search, inputs=[image, k, min_score, labels], outputs=[gallery, hits, about, item_id],
-              api_name="search")
+        gr.on(
+            [button.click, image.upload],
+            search,
+            inputs=[image, k, min_score, labels],
+            outputs=[gallery, hits, about, item_id],
+            api_name="search",
+        )
         gr.on([button.click, image.upload], classify, inputs=[image], outputs=[label], api_name="classify")
         gallery.select(select_result, inputs=[hits], outputs=[item_id], api_name="select_result").then(
-            search_by_id, inputs=[item_id, k, min_score, labels], outputs=[gallery, hits, label, about],
-            api_name="search_by_id_clicked", api_visibility="private")
-        by_id.click(search_by_id, inputs=[item_id, k, min_score, labels], outputs=[gallery, hits, label, about],
-                    api_name="search_by_id")
-        dup_button.click(duplicates, inputs=[item_id, threshold], outputs=[dup_gallery, dup_about],
-                         api_name="duplicates")
+            search_by_id,
+            inputs=[item_id, k, min_score, labels],
+            outputs=[gallery, hits, label, about],
+            api_name="search_by_id_clicked",
+            api_visibility="private",
+        )
+        by_id.click(
+            search_by_id,
+            inputs=[item_id, k, min_score, labels],
+            outputs=[gallery, hits, label, about],
+            api_name="search_by_id",
+        )
+        dup_button.click(
+            duplicates, inputs=[item_id, threshold], outputs=[dup_gallery, dup_about], api_name="duplicates"
+        )
         ui.load(stats, outputs=[stats_box], api_name="stats")
     ui.queue(default_concurrency_limit=8)
     return ui
 
 
-def mount_ui(app: FastAPI, engine: SearchEngine, path: str = "/", max_file_size: int | None = None,
-             upload_cache_bytes: int = UPLOAD_CACHE_BYTES) -> FastAPI:
+def mount_ui(
+    app: FastAPI,
+    engine: SearchEngine,
+    path: str = "/",
+    max_file_size: int | None = None,
+    upload_cache_bytes: int = UPLOAD_CACHE_BYTES,
+) -> FastAPI:
     """Mount the UI on ``app`` at ``path``. It serves no file of the image folder and reads no file of the server
     that a client names (see the module docstring); uploads over ``max_file_size`` bytes are refused (the API's
     upload limit, by default), and all uploads together are kept under ``upload_cache_bytes``."""
@@ -277,8 +333,9 @@ def mount_ui(app: FastAPI, engine: SearchEngine, path: str = "/", max_file_size:
 
     check_upload_folder()
     ui = build_ui(engine)
-    app = gr.mount_gradio_app(app, ui, path=path, footer_links=["api"], css=UI_CSS,
-                              max_file_size=max_file_size or MAX_UPLOAD_BYTES)
+    app = gr.mount_gradio_app(
+        app, ui, path=path, footer_links=["api"], css=UI_CSS, max_file_size=max_file_size or MAX_UPLOAD_BYTES
+    )
     # hack: Gradio checks that an input file is an upload (processing_utils._check_allowed) only once
     # `has_launched` is set, which launch() does and mount_gradio_app does not; unset, a request naming
     # {"path": "/etc/passwd"} had the file copied into the cache and served back, and "/dev/zero" froze the loop.
@@ -298,8 +355,11 @@ def check_upload_folder() -> Path:
     from gradio.utils import get_upload_folder
 
     folder = Path(get_upload_folder())
-    check_writable(folder, "the web app's upload folder", "set GRADIO_TEMP_DIR to a writable folder, or serve the "
-                   "API alone with --no-ui")
+    check_writable(
+        folder,
+        "the web app's upload folder",
+        "set GRADIO_TEMP_DIR to a writable folder, or serve the API alone with --no-ui",
+    )
     return folder
 
 

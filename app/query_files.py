@@ -5,6 +5,7 @@ images in path order).
 A query image that does not decode is one row with its ``error``, not the end of the run: a batch that fails is
 answered again one image at a time.
 """
+
 from __future__ import annotations
 
 import csv
@@ -62,8 +63,9 @@ def output_format(out: str | None, fmt: str | None) -> str:
     return suffix
 
 
-def answer_in_batches(paths: list[str], batch: int, answer: Callable[[list[str]], list],
-                      workers: int = 1) -> Iterator[tuple[str, object]]:
+def answer_in_batches(
+    paths: list[str], batch: int, answer: Callable[[list[str]], list], workers: int = 1
+) -> Iterator[tuple[str, object]]:
     """``(path, answer or DataError)`` of each path, in order: ``batch`` paths per call, ``workers`` calls at once
     (each decodes its images in its own thread while the engine's batcher embeds another's), a failed batch
     again one by one so that a bad image costs only its own row."""
@@ -83,15 +85,22 @@ def answer_in_batches(paths: list[str], batch: int, answer: Callable[[list[str]]
                 out.append((path, res))
             return out
 
-    chunks = [paths[start:start + batch] for start in range(0, len(paths), batch)]
+    chunks = [paths[start : start + batch] for start in range(0, len(paths), batch)]
     with ThreadPoolExecutor(max(1, workers), thread_name_prefix="moco-queries") as pool:
         for rows in pool.map(run, chunks):  # in order, whatever order they finish in
             yield from rows
 
 
 def _hits(hits: list[dict]) -> list[dict]:
-    return [{"id": h["id"], "path": display_name(h["path"]), "label": display_name(h.get("label")),
-             "score": round(float(h["score"]), 6)} for h in hits]
+    return [
+        {
+            "id": h["id"],
+            "path": display_name(h["path"]),
+            "label": display_name(h.get("label")),
+            "score": round(float(h["score"]), 6),
+        }
+        for h in hits
+    ]
 
 
 def search_row(path: str, res) -> dict:
@@ -104,15 +113,23 @@ def classify_row(path: str, res) -> dict:
     if isinstance(res, Exception):
         return {"query": path, "label": None, "share": None, "probabilities": {}, "neighbors": [], "error": str(res)}
     label = display_name(res.label)
-    return {"query": path, "label": label, "share": round(res.probabilities[res.label], 6) if res.label else None,
-            "probabilities": {display_name(k): round(v, 6) for k, v in res.probabilities.items()},
-            "neighbors": _hits(res.neighbors), "error": None}
+    return {
+        "query": path,
+        "label": label,
+        "share": round(res.probabilities[res.label], 6) if res.label else None,
+        "probabilities": {display_name(k): round(v, 6) for k, v in res.probabilities.items()},
+        "neighbors": _hits(res.neighbors),
+        "error": None,
+    }
 
 
 def _csv_fields(row: dict, columns: tuple[str, ...]) -> list:
     hits = row.get("results", row.get("neighbors", []))
-    values = {"ids": ";".join(str(h["id"]) for h in hits), "paths": ";".join(h["path"] for h in hits),
-              "scores": ";".join(f"{h['score']:.6f}" for h in hits)}
+    values = {
+        "ids": ";".join(str(h["id"]) for h in hits),
+        "paths": ";".join(h["path"] for h in hits),
+        "scores": ";".join(f"{h['score']:.6f}" for h in hits),
+    }
     return [values.get(c, row.get(c)) if values.get(c, row.get(c)) is not None else "" for c in columns]
 
 

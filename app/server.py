@@ -7,6 +7,7 @@ index directory: the FAISS index is memory-mapped (:mod:`indexer.index_dir`), so
 instead of holding N copies, and each one watches ``CURRENT`` and hot-swaps on its own. Every response says
 which worker answered in the ``X-Moco-Worker`` header (its process id).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -71,8 +72,9 @@ def check_port(host: str, port: int) -> None:
             raise ConfigError(f"cannot listen on {host}:{port} ({exc.strerror}); choose another --host/--port") from exc
 
 
-def serve_forever(engine: SearchEngine, host: str = "127.0.0.1", port: int = 7860, ui: bool = True,
-                  metrics: bool = True) -> None:
+def serve_forever(
+    engine: SearchEngine, host: str = "127.0.0.1", port: int = 7860, ui: bool = True, metrics: bool = True
+) -> None:
     """Serve ``engine`` until Ctrl-C (or SIGTERM); prints the URL once the server listens."""
     import uvicorn
 
@@ -87,8 +89,11 @@ def serve_forever(engine: SearchEngine, host: str = "127.0.0.1", port: int = 786
         while not server.started and not server.should_exit:
             time.sleep(0.05)
         if server.started:
-            print(f"serving {engine.index_dir} (generation {engine.generation}) at {url}  (API docs: {url}docs; "
-                  "Ctrl-C stops)", flush=True)
+            print(
+                f"serving {engine.index_dir} (generation {engine.generation}) at {url}  (API docs: {url}docs; "
+                "Ctrl-C stops)",
+                flush=True,
+            )
 
     threading.Thread(target=announce, name="moco-announce", daemon=True).start()
     server.run()
@@ -107,8 +112,15 @@ def worker_app() -> FastAPI:
     return make_app(engine, ui=cfg["ui"], metrics=cfg.get("metrics", True))
 
 
-def serve_workers(index_dir: str, config: EngineConfig, host: str = "127.0.0.1", port: int = 7860,
-                  ui: bool = True, workers: int = 2, metrics: bool = True) -> None:
+def serve_workers(
+    index_dir: str,
+    config: EngineConfig,
+    host: str = "127.0.0.1",
+    port: int = 7860,
+    ui: bool = True,
+    workers: int = 2,
+    metrics: bool = True,
+) -> None:
     """Serve ``index_dir`` with ``workers`` processes until Ctrl-C (or SIGTERM); prints the URL once they answer.
 
     Raises:
@@ -121,9 +133,15 @@ def serve_workers(index_dir: str, config: EngineConfig, host: str = "127.0.0.1",
     if workers < 1:
         raise ConfigError(f"--workers must be at least 1, got {workers}")
     check_port(host, port)
-    os.environ[WORKER_CONFIG_ENV] = json.dumps({"index_dir": str(index_dir), "engine": dataclasses.asdict(config),
-                                                "ui": ui, "log_level": logging.getLogger().getEffectiveLevel(),
-                                                "metrics": metrics})
+    os.environ[WORKER_CONFIG_ENV] = json.dumps(
+        {
+            "index_dir": str(index_dir),
+            "engine": dataclasses.asdict(config),
+            "ui": ui,
+            "log_level": logging.getLogger().getEffectiveLevel(),
+            "metrics": metrics,
+        }
+    )
     from moco_retrieval.serve.metrics import MULTIPROC_ENV
 
     # the workers' metrics meet in files here (prometheus_client's multiprocess mode), so any worker reports all
@@ -138,17 +156,26 @@ def serve_workers(index_dir: str, config: EngineConfig, host: str = "127.0.0.1",
             try:
                 with urllib.request.urlopen(url + "api/health", timeout=2) as reply:
                     generation = json.loads(reply.read())["generation"]
-                print(f"serving {index_dir} (generation {generation}) at {url} with {workers} workers  (API docs: "
-                      f"{url}docs; Ctrl-C stops)", flush=True)
+                print(
+                    f"serving {index_dir} (generation {generation}) at {url} with {workers} workers  (API docs: "
+                    f"{url}docs; Ctrl-C stops)",
+                    flush=True,
+                )
                 return
             except OSError:
                 time.sleep(0.1)
 
     threading.Thread(target=announce, name="moco-announce", daemon=True).start()
     try:
-        uvicorn.run("moco_retrieval.app.server:worker_app", factory=True, host=host, port=port, workers=workers,
-                    log_level="warning", timeout_graceful_shutdown=5)
+        uvicorn.run(
+            "moco_retrieval.app.server:worker_app",
+            factory=True,
+            host=host,
+            port=port,
+            workers=workers,
+            log_level="warning",
+            timeout_graceful_shutdown=5,
+        )
     finally:
         stop.set()
         samples.cleanup()
-

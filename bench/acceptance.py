@@ -24,6 +24,7 @@ The collection: Fashion-MNIST (60,000 + 10,000 28-px product photos, 10 classes)
 
 or any labeled pair: ``python bench/acceptance.py --train DIR --test DIR --work WORK``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -116,8 +117,12 @@ def serve_and_query(index: Path, queries: list[Path], log_dir: Path, env: dict, 
 
     port = free_port()
     log = open(log_dir / "serve.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "moco_retrieval", "serve", str(index), "--port", str(port),
-                             "--no-ui"], stdout=log, stderr=subprocess.STDOUT, env=env)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moco_retrieval", "serve", str(index), "--port", str(port), "--no-ui"],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120
@@ -136,7 +141,11 @@ def serve_and_query(index: Path, queries: list[Path], log_dir: Path, env: dict, 
             data = queries[i % len(queries)].read_bytes()
             tic = time.perf_counter()
             r = httpx.post(url + route, files={"image": ("q.png", data, "image/png")}, params={"k": 10}, timeout=60)
-            n = len(r.json().get("results" if route == "/api/search" else "neighbors", [])) if r.status_code == 200 else 0
+            n = (
+                len(r.json().get("results" if route == "/api/search" else "neighbors", []))
+                if r.status_code == 200
+                else 0
+            )
             return route, r.status_code, time.perf_counter() - tic, n
 
         tic = time.monotonic()
@@ -155,9 +164,13 @@ def serve_and_query(index: Path, queries: list[Path], log_dir: Path, env: dict, 
     if bad or "Traceback (most recent call last)" in text:
         raise StageFailed(f"serve: {len(bad)} bad answers (first {bad[:3]}); see {log_dir / 'serve.log'}")
     latencies = sorted(a[2] for a in answers)
-    return {"requests": len(answers), "seconds": round(wall, 1), "req_per_s": round(len(answers) / wall, 1),
-            "p50_ms": round(1000 * latencies[len(latencies) // 2], 1),
-            "p99_ms": round(1000 * latencies[int(len(latencies) * 0.99)], 1)}
+    return {
+        "requests": len(answers),
+        "seconds": round(wall, 1),
+        "req_per_s": round(len(answers) / wall, 1),
+        "p50_ms": round(1000 * latencies[len(latencies) // 2], 1),
+        "p99_ms": round(1000 * latencies[int(len(latencies) * 0.99)], 1),
+    }
 
 
 def main() -> int:
@@ -189,41 +202,86 @@ def main() -> int:
 
     budget = parse_duration(args.time_budget)
     n_train = count_images(train)
-    result = {"benchmark": "acceptance", "train_dir": str(train), "test_dir": str(test), "train_images": n_train,
-              "test_images": count_images(test), "time_budget": args.time_budget, "train_args": args.train_args,
-              "host": {"cpus": os.cpu_count()}, "stages": {}, "ok": False}
+    result = {
+        "benchmark": "acceptance",
+        "train_dir": str(train),
+        "test_dir": str(test),
+        "train_images": n_train,
+        "test_images": count_images(test),
+        "time_budget": args.time_budget,
+        "train_args": args.train_args,
+        "host": {"cpus": os.cpu_count()},
+        "stages": {},
+        "ok": False,
+    }
     stages = result["stages"]
     out = OUT / f"acceptance_{args.name}.json"
     try:
         for run in ("run1", "run2"):
             shutil.rmtree(work / run, ignore_errors=True)
         extra = args.train_args.split()
-        stages["train"] = run_stage("train", moco + ["train", str(train), "--out", str(work / "run1"),
-                                                     "--time-budget", args.time_budget, *extra],
-                                    budget + 600, logs, env)  # + the first decode of the whole folder
-        stages["train_again"] = run_stage("train_again", moco + ["train", str(train), "--out", str(work / "run2"),
-                                                                 "--time-budget", "60s", *extra], 60 + 300, logs, env)
+        stages["train"] = run_stage(
+            "train",
+            moco + ["train", str(train), "--out", str(work / "run1"), "--time-budget", args.time_budget, *extra],
+            budget + 600,
+            logs,
+            env,
+        )  # + the first decode of the whole folder
+        stages["train_again"] = run_stage(
+            "train_again",
+            moco + ["train", str(train), "--out", str(work / "run2"), "--time-budget", "60s", *extra],
+            60 + 300,
+            logs,
+            env,
+        )
         log2 = (logs / "train_again.log").read_text(errors="replace")
         cache_lines = [line for line in log2.splitlines() if "image_cache" in line and " decoded" in line]
         stages["train_again"]["cache_log"] = cache_lines
         if not cache_lines or not all(re.search(r"\b0 decoded\b", line) for line in cache_lines):
             raise StageFailed(f"the second run decoded images again: {cache_lines}")
         onnx = work / "encoder.onnx"
-        stages["export"] = run_stage("export", moco + ["export", str(work / "run1"), "--out", str(onnx)], 300, logs,
-                                     env)
-        stages["eval"] = run_stage("eval", moco + ["eval", "knn", "--train", str(train), "--test", str(test),
-                                                   str(onnx), "--out", str(work / "eval_knn.json")], 900, logs, env)
+        stages["export"] = run_stage(
+            "export", moco + ["export", str(work / "run1"), "--out", str(onnx)], 300, logs, env
+        )
+        stages["eval"] = run_stage(
+            "eval",
+            moco
+            + [
+                "eval",
+                "knn",
+                "--train",
+                str(train),
+                "--test",
+                str(test),
+                str(onnx),
+                "--out",
+                str(work / "eval_knn.json"),
+            ],
+            900,
+            logs,
+            env,
+        )
         stages["eval"]["results"] = json.loads((work / "eval_knn.json").read_text())["results"]
         index = work / "index"
         shutil.rmtree(index, ignore_errors=True)
-        stages["index"] = run_stage("index", moco + ["index", str(train), "--model", str(onnx), "--out", str(index),
-                                                     "--no-progress"], 600, logs, env)
+        stages["index"] = run_stage(
+            "index",
+            moco + ["index", str(train), "--model", str(onnx), "--out", str(index), "--no-progress"],
+            600,
+            logs,
+            env,
+        )
         before = index_records(index)
         if len(before) != n_train:
             raise StageFailed(f"the index holds {len(before)} items, the folder {n_train} images")
         changed = change_one_percent(train)
-        stages["update"] = run_stage("update", moco + ["index", str(train), "--model", str(onnx), "--out",
-                                                       str(index), "--no-progress"], 300, logs, env)
+        stages["update"] = run_stage(
+            "update",
+            moco + ["index", str(train), "--model", str(onnx), "--out", str(index), "--no-progress"],
+            300,
+            logs,
+            env,
+        )
         after = index_records(index)
         kept = [path for path in before if path not in set(changed)]
         if len(after) != n_train or any(after[path] != before[path] for path in kept):

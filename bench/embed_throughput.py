@@ -13,6 +13,7 @@ batches, then ``--iters`` timed ones.
 Without ``--checkpoint`` a randomly initialised model of ``--arch`` is written to a temporary run directory
 (throughput does not depend on the weights).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,12 +36,30 @@ from moco_retrieval.trainer.variants import build_model
 
 def random_run(run_dir: Path, moco_version: int, arch: str, image_size: int) -> Path:
     """A run directory holding a randomly initialised checkpoint of ``arch``."""
-    cfg = TrainConfig(data_dir="-", out_dir=str(run_dir), moco_version=moco_version, arch=arch,
-                      image_size=image_size, batch_size=64, queue_size=64 * 16, run_id="bench")
+    cfg = TrainConfig(
+        data_dir="-",
+        out_dir=str(run_dir),
+        moco_version=moco_version,
+        arch=arch,
+        image_size=image_size,
+        batch_size=64,
+        queue_size=64 * 16,
+        run_id="bench",
+    )
     model = build_model(cfg, bn_splits=1)
     run_dir.mkdir(parents=True, exist_ok=True)
-    save_atomic({"format": CHECKPOINT_FORMAT, "format_version": CHECKPOINT_VERSION, "run_id": cfg.run_id,
-                 "config": cfg.to_dict(), "model": model.state_dict(), "epoch": 0, "step": 0}, run_dir / LAST)
+    save_atomic(
+        {
+            "format": CHECKPOINT_FORMAT,
+            "format_version": CHECKPOINT_VERSION,
+            "run_id": cfg.run_id,
+            "config": cfg.to_dict(),
+            "model": model.state_dict(),
+            "epoch": 0,
+            "step": 0,
+        },
+        run_dir / LAST,
+    )
     return run_dir
 
 
@@ -53,8 +72,9 @@ def _time(fn, batch: np.ndarray, warmup: int, iters: int) -> float:
     return time.perf_counter() - tic
 
 
-def measure(run_dir: Path, onnx_path: Path, batch_sizes: list[int], threads: int, warmup: int, iters: int,
-            fp16: bool) -> list[dict]:
+def measure(
+    run_dir: Path, onnx_path: Path, batch_sizes: list[int], threads: int, warmup: int, iters: int, fp16: bool
+) -> list[dict]:
     torch.set_num_threads(threads)
     backbone, cfg, _ = load_backbone(run_dir)
     graph = EncoderGraph(backbone).eval()
@@ -71,9 +91,18 @@ def measure(run_dir: Path, onnx_path: Path, batch_sizes: list[int], threads: int
         iters_n = max(2, iters // n) if n > 1 else iters  # similar wall time per configuration
         for runtime, fn in (("pytorch_eager", torch_eager), ("onnxruntime", encoder.embed)):
             seconds = _time(fn, batch, warmup, iters_n)
-            row = {"runtime": runtime, "precision": "fp16" if fp16 and runtime == "onnxruntime" else "fp32",
-                   "moco_version": cfg.moco_version, "arch": cfg.arch, "image_size": size, "batch_size": n,
-                   "threads": threads, "batches": iters_n, "seconds": seconds, "images_per_s": n * iters_n / seconds}
+            row = {
+                "runtime": runtime,
+                "precision": "fp16" if fp16 and runtime == "onnxruntime" else "fp32",
+                "moco_version": cfg.moco_version,
+                "arch": cfg.arch,
+                "image_size": size,
+                "batch_size": n,
+                "threads": threads,
+                "batches": iters_n,
+                "seconds": seconds,
+                "images_per_s": n * iters_n / seconds,
+            }
             print(json.dumps(row))
             rows.append(row)
     return rows
@@ -93,16 +122,29 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--out", default="bench/results/embed_throughput.json")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
-        run = Path(args.checkpoint) if args.checkpoint else random_run(
-            Path(tmp) / "run", args.moco_version, args.arch, args.image_size)
+        run = (
+            Path(args.checkpoint)
+            if args.checkpoint
+            else random_run(Path(tmp) / "run", args.moco_version, args.arch, args.image_size)
+        )
         onnx_path = export_encoder(run, Path(tmp) / "encoder.onnx", fp16=args.fp16).path
         results = measure(run, onnx_path, args.batch_size, args.threads, args.warmup, args.iters, args.fp16)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({
-        "benchmark": "embed_throughput", "host": platform.node(), "cpu_cores": available_cores(),
-        "torch": torch.__version__, "onnxruntime": ort.__version__, "results": results,
-    }, indent=2) + "\n")
+    out.write_text(
+        json.dumps(
+            {
+                "benchmark": "embed_throughput",
+                "host": platform.node(),
+                "cpu_cores": available_cores(),
+                "torch": torch.__version__,
+                "onnxruntime": ort.__version__,
+                "results": results,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     print(f"wrote {out}")
     return results
 

@@ -9,6 +9,7 @@ of ``--queries`` (k=10) and recall@10 is measured against exact search of the sa
     python bench/faiss_indexes.py                       # 100k vectors
     python bench/faiss_indexes.py --sizes 100000 1000000  # add the 1M case (minutes and ~2 GB of RAM)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,7 +36,7 @@ def clustered(n: int, d: int, clusters: int, seed: int, spread: float = 0.6) -> 
     for start in range(0, n, 100_000):
         m = min(100_000, n - start)
         x = centres[rng.integers(0, clusters, m)] + spread * rng.normal(size=(m, d)).astype(np.float32)
-        out[start:start + m] = x / np.linalg.norm(x, axis=1, keepdims=True)
+        out[start : start + m] = x / np.linalg.norm(x, axis=1, keepdims=True)
     return out
 
 
@@ -46,7 +47,7 @@ def run(n: int, d: int, types: list[str], queries: int, clusters: int) -> list[d
 
     def blocks():
         for start in range(0, n, 65_536):
-            yield ids[start:start + 65_536], xb[start:start + 65_536]
+            yield ids[start : start + 65_536], xb[start : start + 65_536]
 
     tic = time.perf_counter()
     _, I_ref = exact_knn(xq, blocks, 10)
@@ -62,9 +63,16 @@ def run(n: int, d: int, types: list[str], queries: int, clusters: int) -> list[d
         _, I = built.index.search(xq, 10)
         search_s = time.perf_counter() - tic
         row = {
-            "n": n, "d": d, "index_type": index_type, "factory": factory, "search_params": built.search_params,
-            "build_s": round(build_s, 3), "trained_on": built.trained_on, "built_on_gpu": built.on_gpu,
-            "qps": round(queries / search_s, 1), "recall_at_10": round(recall_at_k(I, I_ref), 4),
+            "n": n,
+            "d": d,
+            "index_type": index_type,
+            "factory": factory,
+            "search_params": built.search_params,
+            "build_s": round(build_s, 3),
+            "trained_on": built.trained_on,
+            "built_on_gpu": built.on_gpu,
+            "qps": round(queries / search_s, 1),
+            "recall_at_10": round(recall_at_k(I, I_ref), 4),
             "recall_at_10_tuning_sample": built.recall_at_10,
             "bytes_per_vector": round(len(faiss.serialize_index(built.index)) / n, 1),
         }
@@ -90,10 +98,16 @@ def main() -> None:
     rows = []
     for n in args.sizes:
         rows += run(n, args.dim, args.types, args.queries, args.clusters)
-    result = {"machine": {"host": platform.node(), "cpus": os.cpu_count(), "faiss": faiss.__version__,
-                          "gpus": faiss.get_num_gpus() if hasattr(faiss, "get_num_gpus") else 0,
-                          "omp_threads": faiss.omp_get_max_threads()},
-              "results": rows}
+    result = {
+        "machine": {
+            "host": platform.node(),
+            "cpus": os.cpu_count(),
+            "faiss": faiss.__version__,
+            "gpus": faiss.get_num_gpus() if hasattr(faiss, "get_num_gpus") else 0,
+            "omp_threads": faiss.omp_get_max_threads(),
+        },
+        "results": rows,
+    }
     out = Path(args.out) if args.out else OUT / f"faiss_indexes_{platform.node() or 'host'}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")

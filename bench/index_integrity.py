@@ -13,6 +13,7 @@ Each measurement is the median of ``--repeat`` runs in this process (the page ca
     verify_s         integrity.verify_index_dir: the sha256 of every file and vector block, then an open
     verify_cli_s     `moco index --verify --out W/index` as a subprocess (interpreter start included), once
 """
+
 from __future__ import annotations
 
 import argparse
@@ -66,18 +67,30 @@ def main() -> None:
     verified = integrity.verify_index_dir(index)
     verify = _median(lambda: integrity.verify_index_dir(index), max(1, args.repeat // 5))
     tic = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "moco_retrieval", "index", "--verify", "--out", str(index)], cwd=REPO,
-                          capture_output=True, text=True, check=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "moco_retrieval", "index", "--verify", "--out", str(index)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     verify_cli = time.perf_counter() - tic
     row = {
-        "benchmark": "index_integrity", "command": " ".join(sys.argv),
+        "benchmark": "index_integrity",
+        "command": " ".join(sys.argv),
         "machine": {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version()},
-        "generation": live, "items": verified.count, "factory": manifest.factory,
-        "files": len(manifest.files), "block_files": len(manifest.block_files),
+        "generation": live,
+        "items": verified.count,
+        "factory": manifest.factory,
+        "files": len(manifest.files),
+        "block_files": len(manifest.block_files),
         "bytes_hashed": verified.checked.bytes_hashed,
-        "check_sizes_s": round(check_sizes, 6), "open_s": round(open_s, 4), "verify_s": round(verify, 3),
+        "check_sizes_s": round(check_sizes, 6),
+        "open_s": round(open_s, 4),
+        "verify_s": round(verify, 3),
         "verify_mb_per_s": round(verified.checked.bytes_hashed / 1e6 / verify, 1),
-        "verify_cli_s": round(verify_cli, 3), "verify_cli_stdout": proc.stdout.strip().splitlines(),
+        "verify_cli_s": round(verify_cli, 3),
+        "verify_cli_stdout": proc.stdout.strip().splitlines(),
     }
     print(json.dumps(row, indent=2))
     if args.out:

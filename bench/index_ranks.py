@@ -13,6 +13,7 @@ not depend on training) unless ``--model`` is given.
 
     python bench/index_ranks.py --images /work/scratch/fmnist60k --ranks 2
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,10 +49,15 @@ def encoder_ceiling(model: Path, images: Path, count: int, batch_size: int) -> d
     encoder.embed(pixels[:batch_size])  # warm-up
     tic = time.perf_counter()
     for start in range(0, len(pixels), batch_size):
-        encoder.embed(pixels[start:start + batch_size])
+        encoder.embed(pixels[start : start + batch_size])
     seconds = time.perf_counter() - tic
-    return {"images": len(pixels), "seconds": round(seconds, 2), "images_per_s": round(len(pixels) / seconds, 1),
-            "threads": "all cores", "batch_size": batch_size}
+    return {
+        "images": len(pixels),
+        "seconds": round(seconds, 2),
+        "images_per_s": round(len(pixels) / seconds, 1),
+        "threads": "all cores",
+        "batch_size": batch_size,
+    }
 
 
 def run_index(cmd: list[str], count: int) -> dict:
@@ -62,10 +68,14 @@ def run_index(cmd: list[str], count: int) -> dict:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
     indexed = int(re.search(r"^images in index\s+(\d+)", proc.stdout, re.M).group(1))
     throughput = re.search(r"^throughput\s+(.*)$", proc.stdout, re.M)
-    return {"command": " ".join(cmd), "wall_s": round(wall, 2), "images": indexed,
-            "images_per_s_end_to_end": round(indexed / wall, 1),
-            "reported": throughput.group(1) if throughput else None,
-            "summary": [line for line in proc.stdout.splitlines() if line and not line.startswith(" ")]}
+    return {
+        "command": " ".join(cmd),
+        "wall_s": round(wall, 2),
+        "images": indexed,
+        "images_per_s_end_to_end": round(indexed / wall, 1),
+        "reported": throughput.group(1) if throughput else None,
+        "summary": [line for line in proc.stdout.splitlines() if line and not line.startswith(" ")],
+    }
 
 
 def main() -> None:
@@ -88,17 +98,34 @@ def main() -> None:
         from moco_retrieval.contracts.images import walk_image_files
 
         count = len(walk_image_files(args.images))
-        result = {"benchmark": "index_ranks", "machine": {"host": platform.node(), "cpus": os.cpu_count()},
-                  "images_dir": str(args.images), "images": count, "batch_size": args.batch_size,
-                  "model": str(model)}
+        result = {
+            "benchmark": "index_ranks",
+            "machine": {"host": platform.node(), "cpus": os.cpu_count()},
+            "images_dir": str(args.images),
+            "images": count,
+            "batch_size": args.batch_size,
+            "model": str(model),
+        }
         result["encoder_ceiling"] = encoder_ceiling(model, args.images, args.ceiling_images, args.batch_size)
         print("encoder", json.dumps(result["encoder_ceiling"]), flush=True)
         common = ["--model", str(model), "--device", "cpu", "--batch-size", str(args.batch_size), "--no-progress"]
         one = [sys.executable, "-m", "moco_retrieval", "index", str(args.images), "--out", str(work / "one"), *common]
         result["one_rank"] = run_index(one, count)
         print("1 rank", json.dumps(result["one_rank"]), flush=True)
-        many = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.ranks}",
-                "-m", "moco_retrieval", "index", str(args.images), "--out", str(work / "many"), *common]
+        many = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={args.ranks}",
+            "-m",
+            "moco_retrieval",
+            "index",
+            str(args.images),
+            "--out",
+            str(work / "many"),
+            *common,
+        ]
         result[f"{args.ranks}_ranks"] = run_index(many, count)
         print(f"{args.ranks} ranks", json.dumps(result[f"{args.ranks}_ranks"]), flush=True)
 
@@ -106,9 +133,10 @@ def main() -> None:
 
         with IndexDirectory.open(work / "one") as a, IndexDirectory.open(work / "many") as b:
             ids = a.index.ids()
-            result["same_items"] = bool(np.array_equal(ids, b.index.ids())
-                                        and [r["path"] for r in a.records(ids[::97])]
-                                        == [r["path"] for r in b.records(ids[::97])])
+            result["same_items"] = bool(
+                np.array_equal(ids, b.index.ids())
+                and [r["path"] for r in a.records(ids[::97])] == [r["path"] for r in b.records(ids[::97])]
+            )
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {args.out}")

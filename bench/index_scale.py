@@ -27,6 +27,7 @@ same corpus is injected by replacing ``indexer.build.OnnxEncoder`` and ``indexer
     python bench/index_scale.py remove --work /work/scratch/scale1m --count 1000 --changed-list
     python bench/index_scale.py serve --work /work/scratch/scale1m --workers 1 2 4
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,7 +45,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench.scale_data import CHUNK, DIM, OUT, chunk_vectors, record as _record  # noqa: E402
+from bench.scale_data import CHUNK, OUT, chunk_vectors, record as _record  # noqa: E402
 
 FILES_PER_DIR = 1000
 
@@ -97,23 +98,40 @@ class SyntheticCorpus:
         pending = [e for e in entries if shards.lookup(e.path, e.bytes, e.mtime_ns) is None]
         t_vectors = 0.0
         for start in range(0, len(pending), CHUNK):  # a chunk at a time: 10M rows would be 20 GB at once
-            part = pending[start:start + CHUNK]
+            part = pending[start : start + CHUNK]
             toc = time.perf_counter()
             vectors = self.vectors(np.array([item_number(e.path) for e in part], dtype=np.int64))
             t_vectors += time.perf_counter() - toc
             for e, v in zip(part, vectors):
-                shards.add({"path": e.path, "stat_bytes": e.bytes, "mtime_ns": e.mtime_ns,
-                            "sha256": hashlib.sha256(e.path.encode()).hexdigest(), "width": 32, "height": 32,
-                            "bytes": e.bytes, "error": None}, v)
+                shards.add(
+                    {
+                        "path": e.path,
+                        "stat_bytes": e.bytes,
+                        "mtime_ns": e.mtime_ns,
+                        "sha256": hashlib.sha256(e.path.encode()).hexdigest(),
+                        "width": 32,
+                        "height": 32,
+                        "bytes": e.bytes,
+                        "error": None,
+                    },
+                    v,
+                )
         shards.flush()
         total = time.perf_counter() - tic
-        return {"embedded": len(pending), "resumed": len(entries) - len(pending), "embed": total,
-                "decode_wait": 0.0, "encoder": t_vectors, "decode_cpu": 0.0}
+        return {
+            "embedded": len(pending),
+            "resumed": len(entries) - len(pending),
+            "embed": total,
+            "decode_wait": 0.0,
+            "encoder": t_vectors,
+            "decode_cpu": 0.0,
+        }
 
 
 def install_legacy(corpus: SyntheticCorpus) -> None:
     """Inject ``corpus`` into a pre-issue-12 ``indexer.build`` (it opened the encoder and embedded inline)."""
     import moco_retrieval.indexer.build as build
+
     build.OnnxEncoder = lambda path, device="auto", threads=None: corpus.encoder
     build._embed = lambda cfg, encoder, image_root, todo, shards: corpus.embed_into(todo, shards)
 
@@ -125,9 +143,18 @@ def make_encoder(work: Path) -> Path:
     if not path.is_file():
         import subprocess
 
-        subprocess.run([sys.executable, "-c", "import sys; from pathlib import Path; from bench.index_scale import "
-                        "_export; _export(Path(sys.argv[1]))", str(work)], check=True, cwd=REPO,
-                       env=dict(os.environ, PYTHONPATH=str(REPO)))
+        subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                "import sys; from pathlib import Path; from bench.index_scale import "
+                "_export; _export(Path(sys.argv[1]))",
+                str(work),
+            ],
+            check=True,
+            cwd=REPO,
+            env=dict(os.environ, PYTHONPATH=str(REPO)),
+        )
     return path
 
 
@@ -139,8 +166,18 @@ def _export(work: Path) -> None:
     from moco_retrieval.trainer.export import export_encoder
 
     torch.set_num_threads(1)
-    cfg = TrainConfig(data_dir="", out_dir=str(work / "run"), arch="resnet18", stem="imagenet", image_size=32,
-                      batch_size=16, queue_size=32, workers=0, device="cpu", knn_every=0)
+    cfg = TrainConfig(
+        data_dir="",
+        out_dir=str(work / "run"),
+        arch="resnet18",
+        stem="imagenet",
+        image_size=32,
+        batch_size=16,
+        queue_size=32,
+        workers=0,
+        device="cpu",
+        knn_every=0,
+    )
     run = write_random_init_checkpoint(cfg, work / "run", seed=0)
     export_encoder(run, work / "encoder.onnx", verify=False)
 
@@ -174,14 +211,17 @@ def synthetic_scan(state: dict):
     from moco_retrieval.indexer.scan import ScanResult
 
     def scan(root, labels):
-        entries = [FoundFile(file_path(i), f"c{i // FILES_PER_DIR:05d}", 0, 1) for i in range(state["removed"],
-                                                                                             state["next"])]
+        entries = [
+            FoundFile(file_path(i), f"c{i // FILES_PER_DIR:05d}", 0, 1) for i in range(state["removed"], state["next"])
+        ]
         return ScanResult(root=Path(root), entries=entries, skipped=[])
+
     return scan
 
 
-def _run_index(args, corpus: SyntheticCorpus, work: Path, state: dict, changed: list[str] | None = None
-               ) -> tuple[dict, float, int]:
+def _run_index(
+    args, corpus: SyntheticCorpus, work: Path, state: dict, changed: list[str] | None = None
+) -> tuple[dict, float, int]:
     from moco_retrieval.indexer.build import IndexConfig, build_index_dir
 
     cfg_kw = dict(index_type=state["index_type"], workers=0, progress=False, device="cpu")
@@ -221,14 +261,30 @@ def phase_build(args, work: Path) -> None:
     if not args.no_files:
         make_files(work / "files", 0, args.n)
     t_files = time.perf_counter() - tic
-    state = {"n": args.n, "next": args.n, "removed": 0, "index_type": args.index_type,
-             "max_index_memory": args.max_index_memory, "files": not args.no_files}
+    state = {
+        "n": args.n,
+        "next": args.n,
+        "removed": 0,
+        "index_type": args.index_type,
+        "max_index_memory": args.max_index_memory,
+        "files": not args.no_files,
+    }
     _save_state(work, state)
     corpus = SyntheticCorpus(encoder)
     row, wall, peak = _run_index(args, corpus, work, state)
-    _record(args, "build", {"n": args.n, "index_type": args.index_type, "make_files_s": round(t_files, 1),
-                            "wall_s": round(wall, 2), "peak_rss_bytes": peak, "result": row,
-                            "disk_bytes": _du(work / "index")})
+    _record(
+        args,
+        "build",
+        {
+            "n": args.n,
+            "index_type": args.index_type,
+            "make_files_s": round(t_files, 1),
+            "wall_s": round(wall, 2),
+            "peak_rss_bytes": peak,
+            "result": row,
+            "disk_bytes": _du(work / "index"),
+        },
+    )
 
 
 def phase_update(args, work: Path, sign: int) -> None:
@@ -249,10 +305,19 @@ def phase_update(args, work: Path, sign: int) -> None:
     row, wall, peak = _run_index(args, corpus, work, state, names if args.changed_list else None)
     t = row["timings"]
     publish = wall - t.get("embed", 0.0)
-    _record(args, "add" if sign > 0 else "remove",
-            {"count": args.count, "changed_list": bool(args.changed_list), "wall_s": round(wall, 2),
-             "publish_s_beyond_embedding": round(publish, 2),
-             "peak_rss_bytes": peak, "result": row, "disk_bytes": _du(work / "index")})
+    _record(
+        args,
+        "add" if sign > 0 else "remove",
+        {
+            "count": args.count,
+            "changed_list": bool(args.changed_list),
+            "wall_s": round(wall, 2),
+            "publish_s_beyond_embedding": round(publish, 2),
+            "peak_rss_bytes": peak,
+            "result": row,
+            "disk_bytes": _du(work / "index"),
+        },
+    )
 
 
 def _du(path: Path) -> int:
@@ -277,8 +342,11 @@ def main() -> None:
     p.add_argument("--max-index-memory", default=None, help="build: --max-index-memory of moco index")
     p.add_argument("--no-files", action="store_true", help="build: scan nothing real (for 10M: no 10M files)")
     p.add_argument("--count", type=int, default=1000, help="add/remove: items")
-    p.add_argument("--changed-list", action="store_true", help="add/remove: pass the changed files as "
-                                                              "--changed-list instead of rescanning the folder")
+    p.add_argument(
+        "--changed-list",
+        action="store_true",
+        help="add/remove: pass the changed files as --changed-list instead of rescanning the folder",
+    )
     p.add_argument("--compact", default=None, help="add/remove: --compact of moco index (auto, now, never)")
     p.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4], help="serve: processes")
     p.add_argument("--queries", type=int, default=1000, help="serve: held-out query vectors for recall and QPS")

@@ -13,6 +13,7 @@ bottleneck; decode images/s per worker tells how many workers a faster encoder (
 
     python bench/index_throughput.py --images 2000 --workers 1 2
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,8 +42,18 @@ def make_encoder(root: Path, image_size: int) -> Path:
     from moco_retrieval.trainer.config import TrainConfig
     from moco_retrieval.trainer.export import export_encoder
 
-    cfg = TrainConfig(data_dir="", out_dir=str(root / "run"), arch="resnet18", stem="imagenet", image_size=image_size,
-                      batch_size=16, queue_size=32, workers=0, device="cpu", knn_every=0)
+    cfg = TrainConfig(
+        data_dir="",
+        out_dir=str(root / "run"),
+        arch="resnet18",
+        stem="imagenet",
+        image_size=image_size,
+        batch_size=16,
+        queue_size=32,
+        workers=0,
+        device="cpu",
+        knn_every=0,
+    )
     run = write_random_init_checkpoint(cfg, root / "run", seed=0)
     torch.set_num_threads(os.cpu_count() or 1)
     return export_encoder(run, root / "encoder.onnx", verify=False).path
@@ -71,24 +82,34 @@ def main() -> None:
         paths = sorted(p.relative_to(data).as_posix() for p in data.rglob("*.png"))
         model = Path(args.model) if args.model else make_encoder(work, args.model_px)
         encoder = OnnxEncoder(model, device=args.device)
-        result = {"machine": {"host": platform.node(), "cpus": os.cpu_count(), "provider": encoder.provider},
-                  "images": len(paths), "image_px": args.image_px, "model_px": encoder.image_size,
-                  "arch": encoder.metadata["arch"], "batch_size": args.batch_size, "decode": [], "end_to_end": []}
+        result = {
+            "machine": {"host": platform.node(), "cpus": os.cpu_count(), "provider": encoder.provider},
+            "images": len(paths),
+            "image_px": args.image_px,
+            "model_px": encoder.image_size,
+            "arch": encoder.metadata["arch"],
+            "batch_size": args.batch_size,
+            "decode": [],
+            "end_to_end": [],
+        }
 
         for workers in [0] + [w for w in args.workers if w > 0]:
             tic = time.perf_counter()
             decoded = list(decode_files(data, paths, encoder.image_size, encoder.resize, workers))
             seconds = time.perf_counter() - tic
-            row = {"workers": workers, "images_per_s": round(len(paths) / seconds, 1),
-                   "cpu_ms_per_image": round(1000 * sum(d.seconds for d in decoded) / len(decoded), 3)}
+            row = {
+                "workers": workers,
+                "images_per_s": round(len(paths) / seconds, 1),
+                "cpu_ms_per_image": round(1000 * sum(d.seconds for d in decoded) / len(decoded), 3),
+            }
             print("decode", json.dumps(row), flush=True)
             result["decode"].append(row)
 
         pixels = np.stack([d.pixels for d in decoded])
-        encoder.embed(pixels[:args.batch_size])  # warm-up
+        encoder.embed(pixels[: args.batch_size])  # warm-up
         tic = time.perf_counter()
         for start in range(0, len(pixels), args.batch_size):
-            encoder.embed(pixels[start:start + args.batch_size])
+            encoder.embed(pixels[start : start + args.batch_size])
         seconds = time.perf_counter() - tic
         result["encoder"] = {"images_per_s": round(len(pixels) / seconds, 1)}
         print("encoder", json.dumps(result["encoder"]), flush=True)
@@ -97,13 +118,26 @@ def main() -> None:
             out = work / f"index_w{workers}"
             shutil.rmtree(out, ignore_errors=True)
             tic = time.perf_counter()
-            r = build_index_dir(IndexConfig(str(data), str(model), str(out), batch_size=args.batch_size,
-                                            workers=workers, device=args.device, progress=False))
+            r = build_index_dir(
+                IndexConfig(
+                    str(data),
+                    str(model),
+                    str(out),
+                    batch_size=args.batch_size,
+                    workers=workers,
+                    device=args.device,
+                    progress=False,
+                )
+            )
             total = time.perf_counter() - tic
             t = r.timings
-            row = {"workers": workers, "images_per_s_total": round(r.count / total, 1),
-                   "images_per_s_embed_loop": round(r.embedded / t["embed"], 1),
-                   "seconds": {k: round(v, 3) for k, v in t.items()}, "factory": r.factory}
+            row = {
+                "workers": workers,
+                "images_per_s_total": round(r.count / total, 1),
+                "images_per_s_embed_loop": round(r.embedded / t["embed"], 1),
+                "seconds": {k: round(v, 3) for k, v in t.items()},
+                "factory": r.factory,
+            }
             print("end_to_end", json.dumps(row), flush=True)
             result["end_to_end"].append(row)
         path = Path(args.out) if args.out else OUT / f"index_throughput_{platform.node() or 'host'}.json"

@@ -25,6 +25,7 @@ On a GPU, the same at 224 px with ResNet-50: ``--arch resnet50 --image-size 224 
 ``--smoke`` runs the whole pipeline on generated images for a few seconds per run (a check that it works;
 its figures mean nothing) and writes to a temporary folder unless ``--out`` is given.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,23 +53,42 @@ def _moco(args: list[str], log: Path, lock: str | None) -> tuple[int, float]:
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     tic = time.perf_counter()
     with open(log, "w") as out, exclusive(lock):
-        code = subprocess.run([sys.executable, "-m", "moco_retrieval", *args], stdout=out, stderr=subprocess.STDOUT,
-                              env=env, cwd=REPO).returncode
+        code = subprocess.run(
+            [sys.executable, "-m", "moco_retrieval", *args], stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO
+        ).returncode
     return code, time.perf_counter() - tic
 
 
-def train_run(train: Path, knn: Path, out: Path, budget: str, seed: int, common: list[str], init: Path | None,
-              lock: str | None) -> dict:
+def train_run(
+    train: Path, knn: Path, out: Path, budget: str, seed: int, common: list[str], init: Path | None, lock: str | None
+) -> dict:
     """One budgeted ``moco train`` (from scratch, or from ``init``) and its k-NN curve."""
-    args = ["train", str(train), "--out", str(out), *common, "--seed", str(seed), "--time-budget", budget,
-            "--knn-dir", str(knn)]
+    args = [
+        "train",
+        str(train),
+        "--out",
+        str(out),
+        *common,
+        "--seed",
+        str(seed),
+        "--time-budget",
+        budget,
+        "--knn-dir",
+        str(knn),
+    ]
     if init is not None:
         args += ["--init", str(init)]
     code, seconds = _moco(args, out.with_suffix(".log"), lock)
     config = json.loads((out / "config.json").read_text()) if (out / "config.json").exists() else {}
-    result = {"seed": seed, "args": args[1:], "returncode": code, "wall_seconds": seconds,
-              "derived": {k: v["value"] for k, v in config.get("derived", {}).items()},
-              "init_report": config.get("init_report") or None, **read_curve(out / "metrics.jsonl")}
+    result = {
+        "seed": seed,
+        "args": args[1:],
+        "returncode": code,
+        "wall_seconds": seconds,
+        "derived": {k: v["value"] for k, v in config.get("derived", {}).items()},
+        "init_report": config.get("init_report") or None,
+        **read_curve(out / "metrics.jsonl"),
+    }
     print(f"  {out.name}: rc {code}, k-NN {[(m, round(a, 3)) for m, a in result['knn']]}", flush=True)
     if (out / "checkpoint_last.pt").exists():
         result["final"] = knn_of(out / "checkpoint_last.pt", knn, out.parent, out.name, lock)
@@ -87,8 +107,11 @@ def knn_of(checkpoint: Path, knn: Path, work: Path, tag: str, lock: str | None) 
     split = (knn / "train").is_dir() and (knn / "val").is_dir()
     train, test = (knn / "train", knn / "val") if split else (knn, knn)
     out = work / f"{tag}-{knn.name}-knn.json"
-    code, _ = _moco(["eval", "knn", "--train", str(train), "--test", str(test), str(encoder), "--k", "20",
-                     "--out", str(out)], work / f"{tag}-{knn.name}-knn.log", lock)
+    code, _ = _moco(
+        ["eval", "knn", "--train", str(train), "--test", str(test), str(encoder), "--k", "20", "--out", str(out)],
+        work / f"{tag}-{knn.name}-knn.log",
+        lock,
+    )
     top1 = json.loads(out.read_text())["results"][0]["top1"] if code == 0 else None
     print(f"  {tag} on {knn.name}: rc {code}, k-NN {top1}", flush=True)
     return {"returncode": code, "top1": top1, "protocol": "val vs train" if split else "leave-one-out"}
@@ -114,8 +137,11 @@ def random_init(knn: Path, arch: str, image_size: int, seeds: list[int]) -> list
 def _final(runs: list[dict]) -> dict:
     """Mean and spread over seeds of each run's final k-NN (``moco eval knn`` of its last checkpoint)."""
     ends = [r["final"]["top1"] for r in runs if (r.get("final") or {}).get("top1") is not None]
-    return {"final_mean": statistics.fmean(ends) if ends else None,
-            "final_sd": statistics.stdev(ends) if len(ends) > 1 else 0.0, "seeds": len(ends)}
+    return {
+        "final_mean": statistics.fmean(ends) if ends else None,
+        "final_sd": statistics.stdev(ends) if len(ends) > 1 else 0.0,
+        "seeds": len(ends),
+    }
 
 
 def plot(report: dict, path: Path) -> None:
@@ -131,19 +157,34 @@ def plot(report: dict, path: Path) -> None:
         entry = report["targets"][name]
         for arm in ("a", "b"):
             summary = entry["summary"][arm]
-            label = ARMS[arm] + ("" if summary["final_mean"] is None else
-                                 f": {100 * summary['final_mean']:.1f} ± {100 * summary['final_sd']:.1f} %")
+            label = ARMS[arm] + (
+                ""
+                if summary["final_mean"] is None
+                else f": {100 * summary['final_mean']:.1f} ± {100 * summary['final_sd']:.1f} %"
+            )
             for j, run in enumerate(entry["runs"][arm]):
                 if run["knn"]:
                     minutes, accs = zip(*run["knn"])
-                    ax.plot(minutes, [100 * a for a in accs], marker="o", markersize=3, color=colours[arm],
-                            alpha=0.9 if j == 0 else 0.5, label=label if j == 0 else None)
+                    ax.plot(
+                        minutes,
+                        [100 * a for a in accs],
+                        marker="o",
+                        markersize=3,
+                        color=colours[arm],
+                        alpha=0.9 if j == 0 else 0.5,
+                        label=label if j == 0 else None,
+                    )
                 if (run.get("final") or {}).get("top1") is not None and run["knn"]:
-                    ax.plot([minutes[-1]], [100 * run["final"]["top1"]], marker="*", markersize=9,
-                            color=colours[arm])  # the final checkpoint through moco eval knn
+                    ax.plot(
+                        [minutes[-1]], [100 * run["final"]["top1"]], marker="*", markersize=9, color=colours[arm]
+                    )  # the final checkpoint through moco eval knn
         if entry["as_is"].get("top1") is not None:
-            ax.axhline(100 * entry["as_is"]["top1"], color=colours["c"], linestyle="--",
-                       label=f"{ARMS['c']}: {100 * entry['as_is']['top1']:.1f} %")
+            ax.axhline(
+                100 * entry["as_is"]["top1"],
+                color=colours["c"],
+                linestyle="--",
+                label=f"{ARMS['c']}: {100 * entry['as_is']['top1']:.1f} %",
+            )
         if entry["random_init"]:
             mean = 100 * statistics.fmean(entry["random_init"])
             ax.axhline(mean, color="grey", linestyle=":", label=f"random init: {mean:.1f} %")
@@ -152,8 +193,11 @@ def plot(report: dict, path: Path) -> None:
         ax.set_ylabel("k-NN top-1 (%)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.suptitle(f"--init from {report['source']} ({report['pretrain_budget']} of pretraining), {report['arch']} at "
-                 f"{report['image_size']} px, seeds {report['seeds']}", fontsize=10)
+    fig.suptitle(
+        f"--init from {report['source']} ({report['pretrain_budget']} of pretraining), {report['arch']} at "
+        f"{report['image_size']} px, seeds {report['seeds']}",
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -192,45 +236,76 @@ def main(argv: list[str] | None = None) -> dict:
     if not args.source or not args.targets:
         p.error("give --source and --targets (or --smoke)")
     out = Path(args.out or REPO / "bench" / "results" / "init_transfer.json")
-    common = ["--arch", args.arch, "--image-size", str(args.image_size), "--moco-version", str(args.moco_version),
-              "--log-every", "10", "--save-every", "1000", *shlex.split(args.extra)]
+    common = [
+        "--arch",
+        args.arch,
+        "--image-size",
+        str(args.image_size),
+        "--moco-version",
+        str(args.moco_version),
+        "--log-every",
+        "10",
+        "--save-every",
+        "1000",
+        *shlex.split(args.extra),
+    ]
 
     source_name, source_train, source_knn = dataset_folders(args.source, work)
     print(f"pretraining on {source_name} for {args.pretrain_budget}", flush=True)
-    pretrain = train_run(source_train, source_knn, work / f"pretrain-{source_name}", args.pretrain_budget, 0, common,
-                         None, args.lock)
+    pretrain = train_run(
+        source_train, source_knn, work / f"pretrain-{source_name}", args.pretrain_budget, 0, common, None, args.lock
+    )
     initial = work / f"pretrain-{source_name}" / "checkpoint_last.pt"
     if not initial.exists():
         raise SystemExit(f"pretraining left no checkpoint (see {work / f'pretrain-{source_name}.log'})")
 
-    report = {"source": source_name, "pretrain_budget": args.pretrain_budget, "budget": args.budget,
-              "seeds": args.seeds, "arch": args.arch, "image_size": args.image_size, "moco_version": args.moco_version,
-              "extra": args.extra, "smoke": args.smoke, "cpu_count": os.cpu_count(), "machine": platform.node(),
-              "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "pretrain": pretrain, "targets": {}}
+    report = {
+        "source": source_name,
+        "pretrain_budget": args.pretrain_budget,
+        "budget": args.budget,
+        "seeds": args.seeds,
+        "arch": args.arch,
+        "image_size": args.image_size,
+        "moco_version": args.moco_version,
+        "extra": args.extra,
+        "smoke": args.smoke,
+        "cpu_count": os.cpu_count(),
+        "machine": platform.node(),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "pretrain": pretrain,
+        "targets": {},
+    }
     for spec in args.targets:
         name, train, knn = dataset_folders(spec, work)
         print(f"target {name}", flush=True)
         runs = {"a": [], "b": []}
         for seed in args.seeds:
-            runs["a"].append(train_run(train, knn, work / f"{name}-a-s{seed}", args.budget, seed, common, None,
-                                       args.lock))
-            runs["b"].append(train_run(train, knn, work / f"{name}-b-s{seed}", args.budget, seed, common, initial,
-                                       args.lock))
+            runs["a"].append(
+                train_run(train, knn, work / f"{name}-a-s{seed}", args.budget, seed, common, None, args.lock)
+            )
+            runs["b"].append(
+                train_run(train, knn, work / f"{name}-b-s{seed}", args.budget, seed, common, initial, args.lock)
+            )
         summary = {arm: _final(runs[arm]) for arm in runs}
         a, b = summary["a"]["final_mean"], summary["b"]["final_mean"]
         report["targets"][name] = {
-            "images": sum(1 for f in train.rglob("*") if f.is_file()), "runs": runs, "summary": summary,
+            "images": sum(1 for f in train.rglob("*") if f.is_file()),
+            "runs": runs,
+            "summary": summary,
             "as_is": knn_of(initial, knn, work, "initial", args.lock),
             "random_init": random_init(knn, args.arch, args.image_size, args.seeds),
-            "b_beats_a": a is not None and b is not None and b > a}
+            "b_beats_a": a is not None and b is not None and b > a,
+        }
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     plot(report, out.with_suffix(".png"))
     print(f"wrote {out} and {out.with_suffix('.png')}")
     for name, entry in report["targets"].items():
         s = entry["summary"]
-        print(f"  {name}: (a) {s['a']['final_mean']}, (b) {s['b']['final_mean']}, (c) {entry['as_is'].get('top1')}, "
-              f"random {entry['random_init']}: (b) beats (a): {entry['b_beats_a']}")
+        print(
+            f"  {name}: (a) {s['a']['final_mean']}, (b) {s['b']['final_mean']}, (c) {entry['as_is'].get('top1')}, "
+            f"random {entry['random_init']}: (b) beats (a): {entry['b_beats_a']}"
+        )
     return report
 
 

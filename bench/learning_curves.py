@@ -25,6 +25,7 @@ A data set is ``demo`` (the generated demo images, 8 classes x 200 at 64 px, as 
 ``name=FOLDER``: a labeled folder (``FOLDER/<class>/...``), or one split into ``train/`` and ``val/`` (training
 on ``train/`` only, the monitor classifying ``val/`` against ``train/``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -119,8 +120,17 @@ def random_baselines(knn: Path, seeds: list[int], cache_root: str | None) -> dic
     return {"seeds": seeds, "random": raw, "random_bn": fitted}
 
 
-def run_one(name: str, recipe: str, seed: int, train: Path, knn: Path, work: Path, budget: str, extra: list[str],
-            lock: str | None) -> dict:
+def run_one(
+    name: str,
+    recipe: str,
+    seed: int,
+    train: Path,
+    knn: Path,
+    work: Path,
+    budget: str,
+    extra: list[str],
+    lock: str | None,
+) -> dict:
     out = work / f"{name}-{recipe}-s{seed}"
     args = [*COMMON, *RECIPES[recipe], "--seed", str(seed), "--time-budget", budget, "--knn-dir", str(knn), *extra]
     cmd = [sys.executable, "-m", "moco_retrieval", "train", str(train), "--out", str(out), *args]
@@ -129,10 +139,17 @@ def run_one(name: str, recipe: str, seed: int, train: Path, knn: Path, work: Pat
     with open(work / f"{name}-{recipe}-s{seed}.log", "w") as log, exclusive(lock):
         returncode = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO).returncode
     config = json.loads((out / "config.json").read_text()) if (out / "config.json").exists() else {}
-    result = {"seed": seed, "args": args, "returncode": returncode, "wall_seconds": time.perf_counter() - tic,
-              "derived": {k: v["value"] for k, v in config.get("derived", {}).items()}, **read_curve(out / "metrics.jsonl")}
-    print(f"{name} {recipe} seed {seed}: rc {returncode}, k-NN {[(m, round(a, 3)) for m, a in result['knn']]}",
-          flush=True)
+    result = {
+        "seed": seed,
+        "args": args,
+        "returncode": returncode,
+        "wall_seconds": time.perf_counter() - tic,
+        "derived": {k: v["value"] for k, v in config.get("derived", {}).items()},
+        **read_curve(out / "metrics.jsonl"),
+    }
+    print(
+        f"{name} {recipe} seed {seed}: rc {returncode}, k-NN {[(m, round(a, 3)) for m, a in result['knn']]}", flush=True
+    )
     return result
 
 
@@ -144,9 +161,13 @@ def summarize(runs: list[dict]) -> dict:
     starts = [r["knn"][0][1] for r in runs if r["knn"]]
     steps = [r["steps"][-1][1] for r in runs if r["steps"]]
     spread = statistics.stdev(ends) if len(ends) > 1 else 0.0
-    return {"final_mean": statistics.fmean(ends) if ends else None, "final_sd": spread,
-            "initial_mean": statistics.fmean(starts) if starts else None,
-            "steps_mean": statistics.fmean(steps) if steps else None, "seeds": len(ends)}
+    return {
+        "final_mean": statistics.fmean(ends) if ends else None,
+        "final_sd": spread,
+        "initial_mean": statistics.fmean(starts) if starts else None,
+        "steps_mean": statistics.fmean(steps) if steps else None,
+        "seeds": len(ends),
+    }
 
 
 def plot(report: dict, path: Path) -> None:
@@ -165,14 +186,24 @@ def plot(report: dict, path: Path) -> None:
         for recipe, runs in entry["runs"].items():
             summary = entry["summary"].get(recipe) or {}
             spread = f" ± {100 * summary['final_sd']:.1f}" if summary.get("seeds", 0) > 1 else ""
-            label = recipe if summary.get("final_mean") is None else (
-                f"{recipe}: {100 * summary['final_mean']:.1f}{spread} %")
+            label = (
+                recipe
+                if summary.get("final_mean") is None
+                else (f"{recipe}: {100 * summary['final_mean']:.1f}{spread} %")
+            )
             for j, res in enumerate(runs):
                 if res["knn"]:
                     minutes, accs = zip(*res["knn"])
-                    ax.plot(minutes, [100 * a for a in accs], marker="o", markersize=3, color=colour[recipe],
-                            linestyle="--" if recipe.startswith("paper") else "-", alpha=0.9 if j == 0 else 0.5,
-                            label=label if j == 0 else None)
+                    ax.plot(
+                        minutes,
+                        [100 * a for a in accs],
+                        marker="o",
+                        markersize=3,
+                        color=colour[recipe],
+                        linestyle="--" if recipe.startswith("paper") else "-",
+                        alpha=0.9 if j == 0 else 0.5,
+                        label=label if j == 0 else None,
+                    )
         base = entry.get("baselines") or {}
         for key, style, text in (("random", ":", "random init"), ("random_bn", "-.", "random init, BN fitted")):
             if base.get(key):
@@ -193,10 +224,20 @@ def plot(report: dict, path: Path) -> None:
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--datasets", nargs="+", default=["demo"], metavar="demo|NAME=FOLDER")
-    p.add_argument("--candidate", action="append", default=[], metavar='NAME="OPTIONS"',
-                   help="define a recipe of your own: `moco train` options, run when NAME is in --recipes")
-    p.add_argument("--recipes", nargs="+", default=["auto_v2", "paper_v2"], metavar="NAME",
-                   help=f"recipes to run (from: {', '.join(RECIPES)}, or a --candidate)")
+    p.add_argument(
+        "--candidate",
+        action="append",
+        default=[],
+        metavar='NAME="OPTIONS"',
+        help="define a recipe of your own: `moco train` options, run when NAME is in --recipes",
+    )
+    p.add_argument(
+        "--recipes",
+        nargs="+",
+        default=["auto_v2", "paper_v2"],
+        metavar="NAME",
+        help=f"recipes to run (from: {', '.join(RECIPES)}, or a --candidate)",
+    )
     p.add_argument("--seeds", nargs="+", type=int, default=[0], help="a run per recipe and seed (--seed)")
     p.add_argument("--budget", default="150s", help="--time-budget of every run")
     p.add_argument("--extra", default="", help="more `moco train` options for every run, e.g. --extra=--device=cuda")
@@ -220,13 +261,27 @@ def main(argv: list[str] | None = None) -> dict:
     out.parent.mkdir(parents=True, exist_ok=True)
     work = Path(args.work) if args.work else out.with_suffix("")
     work.mkdir(parents=True, exist_ok=True)
-    report = {"benchmark": "learning_curves", "host": platform.node(), "cpu_count": os.cpu_count(),
-              "budget": args.budget, "seeds": args.seeds, "common_args": COMMON, "extra_args": args.extra.split(),
-              "recipes": {r: RECIPES[r] for r in args.recipes}, "command": " ".join(sys.argv), "datasets": {}}
+    report = {
+        "benchmark": "learning_curves",
+        "host": platform.node(),
+        "cpu_count": os.cpu_count(),
+        "budget": args.budget,
+        "seeds": args.seeds,
+        "common_args": COMMON,
+        "extra_args": args.extra.split(),
+        "recipes": {r: RECIPES[r] for r in args.recipes},
+        "command": " ".join(sys.argv),
+        "datasets": {},
+    }
     for spec in args.datasets:
         name, train, knn = dataset_folders(spec, work)
-        entry = report["datasets"][name] = {"train": str(train), "knn": str(knn), "runs": {}, "summary": {},
-                                            "images": len(walk_image_files(train))}
+        entry = report["datasets"][name] = {
+            "train": str(train),
+            "knn": str(knn),
+            "runs": {},
+            "summary": {},
+            "images": len(walk_image_files(train)),
+        }
         if not args.no_baselines:
             with exclusive(args.lock):
                 entry["baselines"] = random_baselines(knn, args.seeds, os.environ.get("MOCO_CACHE_DIR"))

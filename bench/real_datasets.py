@@ -38,6 +38,7 @@ Usage:
   PYTHONDONTWRITEBYTECODE=1 nice python \
       bench/real_datasets.py [--only a,b] [--copy] [--out DIR]
 """
+
 import argparse
 import collections
 import datetime
@@ -69,14 +70,25 @@ TUX_ROOT = "/usr/share/tuxpaint/stamps"
 OXY_ROOT = "/usr/share/icons/oxygen/base"
 FMNIST_ROOT = "/usr/share/datasets/fashion-mnist"
 OCA_ROOT = "/usr/share/openclipart/png"
-FMNIST_CLASSES = ["tshirt_top", "trouser", "pullover", "dress", "coat",
-                  "sandal", "shirt", "sneaker", "bag", "ankle_boot"]
+FMNIST_CLASSES = [
+    "tshirt_top",
+    "trouser",
+    "pullover",
+    "dress",
+    "coat",
+    "sandal",
+    "shirt",
+    "sneaker",
+    "bag",
+    "ankle_boot",
+]
 
 
 def pkg_version(pkg):
     try:
-        return subprocess.run(["dpkg-query", "-W", "-f=${Version}", pkg],
-                              capture_output=True, text=True, check=True).stdout
+        return subprocess.run(
+            ["dpkg-query", "-W", "-f=${Version}", pkg], capture_output=True, text=True, check=True
+        ).stdout
     except Exception:
         return "not installed"
 
@@ -86,9 +98,11 @@ def to_rgb_on_white(im):
     """Return an RGB image; any transparency composited on white."""
     if im.mode in ("I;16", "I;16B", "I;16L", "I"):
         im = im.point(lambda v: v / 256).convert("L")
-    has_alpha = im.mode in ("RGBA", "LA", "La", "RGBa", "PA") or \
-        (im.mode == "P" and "transparency" in im.info) or \
-        (im.mode in ("L", "RGB") and "transparency" in im.info)
+    has_alpha = (
+        im.mode in ("RGBA", "LA", "La", "RGBa", "PA")
+        or (im.mode == "P" and "transparency" in im.info)
+        or (im.mode in ("L", "RGB") and "transparency" in im.info)
+    )
     if has_alpha:
         im = im.convert("RGBA")
         bg = Image.new("RGBA", im.size, (255, 255, 255, 255))
@@ -129,9 +143,12 @@ def check(im):
 
 def render_svg(path):
     """Render an SVG with rsvg-convert to fit in MAX_SIDE x MAX_SIDE."""
-    out = subprocess.run(["rsvg-convert", "-a", "-w", str(MAX_SIDE),
-                          "-h", str(MAX_SIDE), "-b", "white", path],
-                         capture_output=True, check=True, timeout=120).stdout
+    out = subprocess.run(
+        ["rsvg-convert", "-a", "-w", str(MAX_SIDE), "-h", str(MAX_SIDE), "-b", "white", path],
+        capture_output=True,
+        check=True,
+        timeout=120,
+    ).stdout
     im = Image.open(io.BytesIO(out))
     im.load()
     return im
@@ -140,6 +157,7 @@ def render_svg(path):
 # ---------------------------------------------------------------- sources
 # Each source yields (class, out_basename, loader, is_symlink, src_desc)
 # where loader() returns a PIL image (any mode).
+
 
 def flat_name(rel):
     rel = os.path.splitext(rel)[0]
@@ -195,8 +213,8 @@ def _idx(path):
         data = fh.read()
     magic = struct.unpack(">I", data[:4])[0]
     ndim = magic & 0xFF
-    dims = struct.unpack(">" + "I" * ndim, data[4:4 + 4 * ndim])
-    return dims, data[4 + 4 * ndim:]
+    dims = struct.unpack(">" + "I" * ndim, data[4 : 4 + 4 * ndim])
+    return dims, data[4 + 4 * ndim :]
 
 
 def src_fashion_mnist():
@@ -206,10 +224,14 @@ def src_fashion_mnist():
         n, h, w = dims
         assert len(lab) == n
         for i in range(n):
-            buf = pix[i * h * w:(i + 1) * h * w]
-            yield (FMNIST_CLASSES[lab[i]], f"{part}_{i:05d}",
-                   (lambda buf=buf, w=w, h=h: Image.frombytes("L", (w, h), buf)),
-                   False, f"{pre}-images-idx3-ubyte.gz[{i}]")
+            buf = pix[i * h * w : (i + 1) * h * w]
+            yield (
+                FMNIST_CLASSES[lab[i]],
+                f"{part}_{i:05d}",
+                (lambda buf=buf, w=w, h=h: Image.frombytes("L", (w, h), buf)),
+                False,
+                f"{pre}-images-idx3-ubyte.gz[{i}]",
+            )
 
 
 OCA_SKIP = {"unsorted", "special"}  # no label / gradients+patterns
@@ -229,8 +251,7 @@ def src_openclipart():
                     p = os.path.join(dp, f)
                     if OCA_SKIP_RE.match(os.path.relpath(p, OCA_ROOT)):
                         continue
-                    yield (cat, flat_name(os.path.relpath(p, cdir)),
-                           (lambda p=p: Image.open(p)), os.path.islink(p), p)
+                    yield (cat, flat_name(os.path.relpath(p, cdir)), (lambda p=p: Image.open(p)), os.path.islink(p), p)
 
 
 DIGITS_CACHE = None  # set in main: <out>/.src/sklearn_digits.csv.gz
@@ -257,50 +278,66 @@ def src_sklearn_digits():
             vals = [int(v) for v in line.strip().split(",")]
             pix, lab = vals[:64], vals[64]
             buf = bytes(round(v * 255 / 16) for v in pix)
-            yield (f"digit_{lab}", f"{i:04d}",
-                   (lambda buf=buf: Image.frombytes("L", (8, 8), buf).resize((32, 32), Image.NEAREST)),
-                   False, f"digits.csv.gz[{i}]")
+            yield (
+                f"digit_{lab}",
+                f"{i:04d}",
+                (lambda buf=buf: Image.frombytes("L", (8, 8), buf).resize((32, 32), Image.NEAREST)),
+                False,
+                f"digits.csv.gz[{i}]",
+            )
 
 
 DATASETS = {
     "tuxpaint": dict(
-        src=src_tuxpaint, pkgs=["tuxpaint-stamps-default", "librsvg2-bin"],
+        src=src_tuxpaint,
+        pkgs=["tuxpaint-stamps-default", "librsvg2-bin"],
         how="Tux Paint stamp images from /usr/share/tuxpaint/stamps/<category>/...; class = "
-            "first-level category folder. All PNG stamps are used; SVG stamps are used only when "
-            "no PNG of the same name exists beside them, rasterised with `rsvg-convert -a -w 256 "
-            "-h 256 -b white`. File name = path below the category with '/' -> '__'."),
+        "first-level category folder. All PNG stamps are used; SVG stamps are used only when "
+        "no PNG of the same name exists beside them, rasterised with `rsvg-convert -a -w 256 "
+        "-h 256 -b white`. File name = path below the category with '/' -> '__'.",
+    ),
     "icons": dict(
-        src=src_icons, pkgs=["oxygen-icon-theme"],
+        src=src_icons,
+        pkgs=["oxygen-icon-theme"],
         how="Oxygen icon theme PNGs from /usr/share/icons/oxygen/base/<size>/<category>/<icon>.png; "
-            "class = category (actions, apps, mimetypes, ...). For each (category, icon name) only "
-            "the largest size <= 128 px (from 32, 48, 64, 128) is used. Symlinked aliases are "
-            "removed by the exact-duplicate check. Not resized (all <= 128 px)."),
+        "class = category (actions, apps, mimetypes, ...). For each (category, icon name) only "
+        "the largest size <= 128 px (from 32, 48, 64, 128) is used. Symlinked aliases are "
+        "removed by the exact-duplicate check. Not resized (all <= 128 px).",
+    ),
     "fashion_mnist": dict(
-        src=src_fashion_mnist, pkgs=["dataset-fashion-mnist"],
+        src=src_fashion_mnist,
+        pkgs=["dataset-fashion-mnist"],
         how="Fashion-MNIST (Zalando product photos, 28x28 grayscale) read from the IDX files in "
-            "/usr/share/datasets/fashion-mnist/; all 60,000 train + 10,000 test images, stored as "
-            "28x28 RGB PNG (gray replicated). File names: train_NNNNN / test_NNNNN = index in "
-            "the original train / t10k file, so the official split can be recovered; "
-            "the <name>_split copy uses the common every-5th rule instead. Class names: label 0..9 = "
-            + ", ".join(f"{i}:{c}" for i, c in enumerate(FMNIST_CLASSES)) + "."),
+        "/usr/share/datasets/fashion-mnist/; all 60,000 train + 10,000 test images, stored as "
+        "28x28 RGB PNG (gray replicated). File names: train_NNNNN / test_NNNNN = index in "
+        "the original train / t10k file, so the official split can be recovered; "
+        "the <name>_split copy uses the common every-5th rule instead. Class names: label 0..9 = "
+        + ", ".join(f"{i}:{c}" for i, c in enumerate(FMNIST_CLASSES))
+        + ".",
+    ),
     "openclipart": dict(
-        src=src_openclipart, pkgs=["openclipart-png"], trim=True,
+        src=src_openclipart,
+        pkgs=["openclipart-png"],
+        trim=True,
         how="Open Clip Art Library 0.18 PNG renderings from /usr/share/openclipart/png/<category>/...; "
-            "class = first-level category. Categories 'unsorted' (no label) and 'special' "
-            "(gradients/patterns) are excluded, and so are the ~1,370 machine-generated star polygons "
-            "shapes/stars/star_<N>pt<M>step.png (near-duplicates that would swamp 'shapes'). Transparency composited on white, then (openclipart "
-            "only) cropped to the non-white content box (pixels differing from white by > 8) plus a "
-            "margin of 2 px + 3% -- many drawings sit small on a page-sized canvas -- then downscaled "
-            "to <= 256 px. File name = path below the category with '/' -> '__'. Classes are "
-            "imbalanced (computer and shapes dominate)."),
+        "class = first-level category. Categories 'unsorted' (no label) and 'special' "
+        "(gradients/patterns) are excluded, and so are the ~1,370 machine-generated star polygons "
+        "shapes/stars/star_<N>pt<M>step.png (near-duplicates that would swamp 'shapes'). Transparency composited on white, then (openclipart "
+        "only) cropped to the non-white content box (pixels differing from white by > 8) plus a "
+        "margin of 2 px + 3% -- many drawings sit small on a page-sized canvas -- then downscaled "
+        "to <= 256 px. File name = path below the category with '/' -> '__'. Classes are "
+        "imbalanced (computer and shapes dominate).",
+    ),
     "sklearn_digits": dict(
-        src=src_sklearn_digits, pkgs=[],
+        src=src_sklearn_digits,
+        pkgs=[],
         how="UCI optical handwritten digits as shipped in scikit-learn "
-            "(sklearn/datasets/data/digits.csv.gz, taken from the python3-sklearn .deb with "
-            "apt-get download + dpkg-deb -x; the package is not installed). 1797 scanned "
-            "handwritten digits, 8x8 pixels with 17 gray levels (0..16 -> 0..255, white digit "
-            "on black). NOTE: 8x8 is below the 16 px minimum, so images are upscaled 4x with "
-            "nearest-neighbour to 32x32 (pure pixel replication, no new detail)."),
+        "(sklearn/datasets/data/digits.csv.gz, taken from the python3-sklearn .deb with "
+        "apt-get download + dpkg-deb -x; the package is not installed). 1797 scanned "
+        "handwritten digits, 8x8 pixels with 17 gray levels (0..16 -> 0..255, white digit "
+        "on black). NOTE: 8x8 is below the 16 px minimum, so images are upscaled 4x with "
+        "nearest-neighbour to 32x32 (pure pixel replication, no new detail).",
+    ),
 }
 
 
@@ -398,8 +435,7 @@ def build(name, spec, out, copy):
         num_images=len(sizes),
         num_train=sum(a for a, _ in split_counts.values()),
         num_val=sum(b for _, b in split_counts.values()),
-        per_class={c: dict(total=len(kept[c]), train=split_counts[c][0], val=split_counts[c][1])
-                   for c in sorted(kept)},
+        per_class={c: dict(total=len(kept[c]), train=split_counts[c][0], val=split_counts[c][1]) for c in sorted(kept)},
         dropped=dict(dropped),
         dropped_small_classes=small,
         duplicate_examples=dup_examples,
@@ -427,19 +463,28 @@ def write_readme(dst, spec, st, copy):
     L.append("")
     L.append("How built:")
     L.append("  " + spec["how"])
-    L.append("  Common rules: output RGB PNG, transparency composited on white, downscaled with "
-             f"Pillow (LANCZOS, aspect kept) to <= {MAX_SIDE} px; dropped images with min side < "
-             f"{MIN_SIDE} px, aspect > {MAX_ASPECT:g}, grayscale stddev < {MIN_STD:g} (blank), "
-             "exact pixel duplicates (first kept, real files before symlinks); classes with < "
-             f"{MIN_PER_CLASS} images removed.")
-    L.append(f"  Split ({os.path.basename(dst)}_split/train|val/<class>/): per class, file names "
-             f"sorted, every {VAL_EVERY}th file (index % {VAL_EVERY} == {VAL_EVERY - 1}) -> val, rest -> train. "
-             + ("Files are copies." if copy else "Split files are hard links to the files here."))
+    L.append(
+        "  Common rules: output RGB PNG, transparency composited on white, downscaled with "
+        f"Pillow (LANCZOS, aspect kept) to <= {MAX_SIDE} px; dropped images with min side < "
+        f"{MIN_SIDE} px, aspect > {MAX_ASPECT:g}, grayscale stddev < {MIN_STD:g} (blank), "
+        "exact pixel duplicates (first kept, real files before symlinks); classes with < "
+        f"{MIN_PER_CLASS} images removed."
+    )
+    L.append(
+        f"  Split ({os.path.basename(dst)}_split/train|val/<class>/): per class, file names "
+        f"sorted, every {VAL_EVERY}th file (index % {VAL_EVERY} == {VAL_EVERY - 1}) -> val, rest -> train. "
+        + ("Files are copies." if copy else "Split files are hard links to the files here.")
+    )
     L.append("")
-    L.append(f"Classes: {st['num_classes']}   Images: {st['num_images']}   "
-             f"train: {st['num_train']}   val: {st['num_val']}")
-    L.append(f"Long side  min/median/max: {st['long_side']['min']}/{st['long_side']['median']}/{st['long_side']['max']} px")
-    L.append(f"Short side min/median/max: {st['short_side']['min']}/{st['short_side']['median']}/{st['short_side']['max']} px")
+    L.append(
+        f"Classes: {st['num_classes']}   Images: {st['num_images']}   train: {st['num_train']}   val: {st['num_val']}"
+    )
+    L.append(
+        f"Long side  min/median/max: {st['long_side']['min']}/{st['long_side']['median']}/{st['long_side']['max']} px"
+    )
+    L.append(
+        f"Short side min/median/max: {st['short_side']['min']}/{st['short_side']['median']}/{st['short_side']['max']} px"
+    )
     L.append(f"Most common sizes: {', '.join(st['most_common_sizes'])}")
     L.append(f"Candidates considered: {st['candidates']}   dropped: {st['dropped'] or 'none'}")
     if st["dropped_small_classes"]:
@@ -466,11 +511,25 @@ def main():
     for name in a.only.split(","):
         print(f"building {name} ...", flush=True)
         st = build(name, DATASETS[name], a.out, a.copy)
-        summary[name] = {k: st[k] for k in ("packages", "num_classes", "num_images", "num_train",
-                                            "num_val", "long_side", "short_side", "dropped")}
-        print(f"  {name}: {st['num_classes']} classes, {st['num_images']} images "
-              f"({st['num_train']} train / {st['num_val']} val), dropped {st['dropped']}, "
-              f"small classes removed {st['dropped_small_classes']}", flush=True)
+        summary[name] = {
+            k: st[k]
+            for k in (
+                "packages",
+                "num_classes",
+                "num_images",
+                "num_train",
+                "num_val",
+                "long_side",
+                "short_side",
+                "dropped",
+            )
+        }
+        print(
+            f"  {name}: {st['num_classes']} classes, {st['num_images']} images "
+            f"({st['num_train']} train / {st['num_val']} val), dropped {st['dropped']}, "
+            f"small classes removed {st['dropped_small_classes']}",
+            flush=True,
+        )
         with open(summ_path, "w") as fh:
             json.dump(summary, fh, indent=1)
 

@@ -1,5 +1,6 @@
 """What the scale benchmarks (``bench/index_scale.py``, ``bench/serve_scale.py``) share: the synthetic vectors
 of their corpus and the JSON file their rows go to (one module both import, so neither imports the other)."""
+
 from __future__ import annotations
 
 import json
@@ -12,7 +13,7 @@ import numpy as np
 
 OUT = Path(__file__).resolve().parent / "results"
 DIM = 512
-CHUNK = 65_536          # vectors generated together (one seed per chunk)
+CHUNK = 65_536  # vectors generated together (one seed per chunk)
 CLUSTERS = 1000
 SPREAD = 0.6
 
@@ -31,9 +32,15 @@ def chunk_vectors(chunk: int, d: int = DIM, seed: int = 0) -> np.ndarray:
 def record(args, phase: str, row: dict) -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    data = json.loads(out.read_text()) if out.is_file() else {
-        "benchmark": "index_scale", "machine": {"host": platform.node(), "cpus": os.cpu_count(),
-                                                "python": platform.python_version()}, "rows": []}
+    data = (
+        json.loads(out.read_text())
+        if out.is_file()
+        else {
+            "benchmark": "index_scale",
+            "machine": {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version()},
+            "rows": [],
+        }
+    )
     row = {"phase": phase, "label": args.label, "legacy": args.legacy, "command": " ".join(sys.argv), **row}
     data["rows"].append(row)
     out.write_text(json.dumps(data, indent=2) + "\n")

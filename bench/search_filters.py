@@ -21,6 +21,7 @@ Phases (each writes one JSON file under ``bench/results/``; run each alone, with
     python -m bench.search_filters classify --images 10000
     python -m bench.search_filters all --n 20000 --images 200 --work /tmp/sf   # a quick check that it runs
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,9 +48,12 @@ K = 10
 def _write(name: str, args, rows: list[dict]) -> Path:
     OUT.mkdir(parents=True, exist_ok=True)
     path = Path(args.out_dir) / name
-    body = {"benchmark": "search_filters", "command": " ".join(sys.argv),
-            "machine": {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version()},
-            "rows": rows}
+    body = {
+        "benchmark": "search_filters",
+        "command": " ".join(sys.argv),
+        "machine": {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version()},
+        "rows": rows,
+    }
     path.write_text(json.dumps(body, indent=2) + "\n")
     print(f"wrote {path}", flush=True)
     return path
@@ -91,7 +95,7 @@ def phase_filters(args) -> None:
 
     faiss.omp_set_num_threads(1)
     xb = _corpus(args.n)
-    xq = np.concatenate([chunk_vectors(c, DIM, seed=7) for c in range(1 + args.queries // CHUNK)])[:args.queries]
+    xq = np.concatenate([chunk_vectors(c, DIM, seed=7) for c in range(1 + args.queries // CHUNK)])[: args.queries]
     rows = []
     for factory in args.factories:
         tic = time.perf_counter()
@@ -119,11 +123,23 @@ def phase_filters(args) -> None:
                     searcher.EXACT_FILTER_MAX, searcher.depth_factor = saved
                 want = max(1, min(K, len(allowed)))  # a filter keeping fewer than K items has fewer to find
                 recall = float(np.mean([len(set(f.tolist()) & set(t.tolist())) / want for f, t in zip(found, truth)]))
-                path = ("exact" if raise_depth and filt.count() <= searcher.EXACT_FILTER_MAX else
-                        f"selector x{searcher.depth_factor(filt.count(), index.ntotal) if raise_depth else 1}")
-                row = {"factory": factory, "n": args.n, "params": built.search_params, "build_s": round(build_s, 1),
-                       "keep": keep, "kept": int(len(allowed)), "raise_depth": raise_depth, "path": path,
-                       "qps": round(len(xq) / seconds, 1), "recall_at_10": round(recall, 4)}
+                path = (
+                    "exact"
+                    if raise_depth and filt.count() <= searcher.EXACT_FILTER_MAX
+                    else f"selector x{searcher.depth_factor(filt.count(), index.ntotal) if raise_depth else 1}"
+                )
+                row = {
+                    "factory": factory,
+                    "n": args.n,
+                    "params": built.search_params,
+                    "build_s": round(build_s, 1),
+                    "keep": keep,
+                    "kept": int(len(allowed)),
+                    "raise_depth": raise_depth,
+                    "path": path,
+                    "qps": round(len(xq) / seconds, 1),
+                    "recall_at_10": round(recall, 4),
+                }
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     _write(args.name or f"search_filters_{args.n}.json", args, rows)
@@ -145,9 +161,18 @@ def phase_duplicates(args) -> None:
     tic = time.perf_counter()
     groups = duplicate_groups(index, args.threshold)
     seconds = time.perf_counter() - tic
-    row = {"factory": args.dup_factory, "n": args.n, "params": built.search_params, "threshold": args.threshold,
-           "threads": args.threads, "seconds": round(seconds, 1), "items_per_s": round(index.ntotal / seconds, 1),
-           "groups": len(groups), "items_in_groups": sum(len(g.ids) for g in groups), "planted_pairs": len(copies)}
+    row = {
+        "factory": args.dup_factory,
+        "n": args.n,
+        "params": built.search_params,
+        "threshold": args.threshold,
+        "threads": args.threads,
+        "seconds": round(seconds, 1),
+        "items_per_s": round(index.ntotal / seconds, 1),
+        "groups": len(groups),
+        "items_in_groups": sum(len(g.ids) for g in groups),
+        "planted_pairs": len(copies),
+    }
     print(json.dumps(row), flush=True)
     _write(args.name or f"search_duplicates_{args.n}.json", args, [row])
 
@@ -183,8 +208,24 @@ def phase_classify(args) -> None:
         write_images(queries, args.images)
     out = work / "rows.csv"
     tic = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "moco_retrieval", "-q", "classify", str(index), str(queries), "--out",
-                    str(out), "--device", "cpu"], check=True, cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "moco_retrieval",
+            "-q",
+            "classify",
+            str(index),
+            str(queries),
+            "--out",
+            str(out),
+            "--device",
+            "cpu",
+        ],
+        check=True,
+        cwd=REPO,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+    )
     cli_s = time.perf_counter() - tic
     enc = OnnxEncoder(encoder, device="cpu")
     paths = sorted(queries.rglob("*.png"))
@@ -192,12 +233,16 @@ def phase_classify(args) -> None:
     enc.embed(rows[:64])
     tic = time.perf_counter()
     for start in range(0, len(rows), 32):  # the engine's micro-batch size
-        enc.embed(rows[start:start + 32])
+        enc.embed(rows[start : start + 32])
     enc_s = time.perf_counter() - tic
-    row = {"images": len(paths), "corpus": args.corpus, "classify_cli_s": round(cli_s, 2),
-           "classify_images_per_s": round(len(paths) / cli_s, 1),
-           "encoder_alone_images_per_s": round(len(paths) / enc_s, 1),
-           "note": "the CLI time includes its start (imports, opening the index and the encoder) and decoding"}
+    row = {
+        "images": len(paths),
+        "corpus": args.corpus,
+        "classify_cli_s": round(cli_s, 2),
+        "classify_images_per_s": round(len(paths) / cli_s, 1),
+        "encoder_alone_images_per_s": round(len(paths) / enc_s, 1),
+        "note": "the CLI time includes its start (imports, opening the index and the encoder) and decoding",
+    }
     print(json.dumps(row), flush=True)
     _write(args.name or f"search_classify_{args.images}.json", args, [row])
 
@@ -207,8 +252,12 @@ def main() -> None:
     p.add_argument("phase", choices=("filters", "duplicates", "classify", "all"))
     p.add_argument("--n", type=int, default=1_000_000, help="filters / duplicates: vectors (512-d)")
     p.add_argument("--queries", type=int, default=200, help="filters: query vectors")
-    p.add_argument("--factories", nargs="+", default=["IVF1024,Flat", "IDMap2,HNSW32"],
-                   help="filters: index types (FAISS factory strings)")
+    p.add_argument(
+        "--factories",
+        nargs="+",
+        default=["IVF1024,Flat", "IDMap2,HNSW32"],
+        help="filters: index types (FAISS factory strings)",
+    )
     p.add_argument("--dup-factory", default="IVF1024,Flat", help="duplicates: index type")
     p.add_argument("--threshold", type=float, default=0.95, help="duplicates: similarity threshold")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="duplicates: FAISS threads")

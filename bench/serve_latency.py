@@ -12,6 +12,7 @@ embedded by a randomly initialised ResNet-18 exported to ONNX (serving cost does
     python bench/serve_latency.py --corpus 2000 --concurrency 1 4 16 --requests 300
     python bench/serve_latency.py --index-dir demo/index --queries demo/data --concurrency 1 8
 """
+
 from __future__ import annotations
 
 import argparse
@@ -54,13 +55,34 @@ def build_bench_index(work: Path, corpus: int, device: str, stem: str = "auto") 
     if not data.is_dir():
         write_demo_dataset(data, per_class=max(1, corpus // len(CLASSES)), size=32, seed=0)
     run = work / "run"
-    cfg = TrainConfig(data_dir=str(data), out_dir=str(run), arch="resnet18", stem=stem, image_size=32, epochs=1,
-                      batch_size=32, queue_size=128, workers=0, device="cpu", knn_every=0, run_id="bench")
+    cfg = TrainConfig(
+        data_dir=str(data),
+        out_dir=str(run),
+        arch="resnet18",
+        stem=stem,
+        image_size=32,
+        epochs=1,
+        batch_size=32,
+        queue_size=128,
+        workers=0,
+        device="cpu",
+        knn_every=0,
+        run_id="bench",
+    )
     torch.manual_seed(0)
     run.mkdir(parents=True, exist_ok=True)
-    save_atomic({"format": CHECKPOINT_FORMAT, "format_version": CHECKPOINT_VERSION, "run_id": "bench",
-                 "config": cfg.to_dict(), "model": build_model(cfg, bn_splits=1).state_dict(), "epoch": 0,
-                 "step": 0}, run / LAST)
+    save_atomic(
+        {
+            "format": CHECKPOINT_FORMAT,
+            "format_version": CHECKPOINT_VERSION,
+            "run_id": "bench",
+            "config": cfg.to_dict(),
+            "model": build_model(cfg, bn_splits=1).state_dict(),
+            "epoch": 0,
+            "step": 0,
+        },
+        run / LAST,
+    )
     encoder = export_encoder(run, work / "encoder.onnx", verify=False).path
     build_index_dir(IndexConfig(str(data), str(encoder), str(index), workers=0, progress=False, device=device))
     return index, data
@@ -72,14 +94,36 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_server(index: Path, port: int, device: str, threads: int | None, ui: bool = False,
-                 metrics: bool = True) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "moco_retrieval", "serve", str(index), "--port", str(port), "--device", device,
-           "--poll-seconds", "0"] + ([] if ui else ["--no-ui"]) + ([] if metrics else ["--no-metrics"])
+def start_server(
+    index: Path, port: int, device: str, threads: int | None, ui: bool = False, metrics: bool = True
+) -> subprocess.Popen:
+    cmd = (
+        [
+            sys.executable,
+            "-m",
+            "moco_retrieval",
+            "serve",
+            str(index),
+            "--port",
+            str(port),
+            "--device",
+            device,
+            "--poll-seconds",
+            "0",
+        ]
+        + ([] if ui else ["--no-ui"])
+        + ([] if metrics else ["--no-metrics"])
+    )
     if threads:
         cmd += ["--threads", str(threads)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+    )
     line = proc.stdout.readline()
     if f":{port}/" not in line:
         proc.kill()
@@ -89,8 +133,12 @@ def start_server(index: Path, port: int, device: str, threads: int | None, ui: b
 
 def percentiles(values: list[float]) -> dict[str, float]:
     a = np.asarray(values) * 1000
-    return {"p50_ms": float(np.percentile(a, 50)), "p95_ms": float(np.percentile(a, 95)),
-            "p99_ms": float(np.percentile(a, 99)), "mean_ms": float(a.mean())}
+    return {
+        "p50_ms": float(np.percentile(a, 50)),
+        "p95_ms": float(np.percentile(a, 95)),
+        "p99_ms": float(np.percentile(a, 99)),
+        "mean_ms": float(a.mean()),
+    }
 
 
 def process_cpu_seconds(pid: int) -> float:
@@ -112,8 +160,9 @@ def machine_busy_seconds() -> float:
     return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
 
-def run_level(url: str, payloads: list[bytes], concurrency: int, requests: int, warmup: int, k: int,
-              server_pid: int) -> dict:
+def run_level(
+    url: str, payloads: list[bytes], concurrency: int, requests: int, warmup: int, k: int, server_pid: int
+) -> dict:
     import httpx
 
     local = threading.local()
@@ -141,28 +190,43 @@ def run_level(url: str, payloads: list[bytes], concurrency: int, requests: int, 
         other_cpu = machine_busy_seconds() - busy - server_cpu - client_cpu
     latencies = [r[0] for r in results]
     server = {phase: percentiles([r[1][phase] for r in results]) for phase in PHASES}
-    return {"concurrency": concurrency, "requests": requests, "seconds": wall, "throughput_rps": requests / wall,
-            "latency": percentiles(latencies), "server_phases": server,
-            "mean_batch_size": float(np.mean([r[2] for r in results])),
-            # CPU per request of each side (both share the machine's cores)
-            "server_cpu_ms_per_request": 1000 * server_cpu / requests,
-            "client_cpu_ms_per_request": 1000 * client_cpu / requests,
-            # CPU the rest of the machine took meanwhile, in cores (other processes: noise in the figures)
-            "other_cpu_cores": max(0.0, other_cpu / wall)}
+    return {
+        "concurrency": concurrency,
+        "requests": requests,
+        "seconds": wall,
+        "throughput_rps": requests / wall,
+        "latency": percentiles(latencies),
+        "server_phases": server,
+        "mean_batch_size": float(np.mean([r[2] for r in results])),
+        # CPU per request of each side (both share the machine's cores)
+        "server_cpu_ms_per_request": 1000 * server_cpu / requests,
+        "client_cpu_ms_per_request": 1000 * client_cpu / requests,
+        # CPU the rest of the machine took meanwhile, in cores (other processes: noise in the figures)
+        "other_cpu_cores": max(0.0, other_cpu / wall),
+    }
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--index-dir", type=Path, default=None, help="serve this index (default: build one in --work)")
     p.add_argument("--queries", type=Path, default=None, help="folder of query images (default: the indexed ones)")
-    p.add_argument("--work", type=Path, default=None,
-                   help="where to build the index (default bench/results/serve_work_<stem>)")
-    p.add_argument("--stem", default="auto", choices=("auto", "small", "imagenet"),
-                   help="ResNet-18 stem of the built index's encoder: auto = small at 32 px (3x3 stride 1, about "
-                        "16x the compute), imagenet = the demo's (7x7 stride 2 + max-pool)")
+    p.add_argument(
+        "--work", type=Path, default=None, help="where to build the index (default bench/results/serve_work_<stem>)"
+    )
+    p.add_argument(
+        "--stem",
+        default="auto",
+        choices=("auto", "small", "imagenet"),
+        help="ResNet-18 stem of the built index's encoder: auto = small at 32 px (3x3 stride 1, about "
+        "16x the compute), imagenet = the demo's (7x7 stride 2 + max-pool)",
+    )
     p.add_argument("--ui", action="store_true", help="mount the Gradio UI too (as `moco serve` does by default)")
-    p.add_argument("--no-metrics", dest="metrics", action="store_false",
-                   help="serve without /metrics (to measure what the Prometheus metrics cost)")
+    p.add_argument(
+        "--no-metrics",
+        dest="metrics",
+        action="store_false",
+        help="serve without /metrics (to measure what the Prometheus metrics cost)",
+    )
     p.add_argument("--corpus", type=int, default=2000, help="images in the built index (default 2000)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16], help="client threads per level")
     p.add_argument("--requests", type=int, default=300, help="timed requests per level")
@@ -179,12 +243,16 @@ def main() -> None:
         index, built_images = build_bench_index(work, args.corpus, args.device, args.stem)
         images = images or built_images
     if images is None:
-        images = Path(json.loads((index / "generations" / (index / "CURRENT").read_text().strip()
-                                  / "manifest.json").read_text())["image_root"])
+        images = Path(
+            json.loads((index / "generations" / (index / "CURRENT").read_text().strip() / "manifest.json").read_text())[
+                "image_root"
+            ]
+        )
     files = sorted(p for p in images.rglob("*") if p.suffix.lower() in (".png", ".jpg", ".jpeg", ".webp"))
     payloads = [f.read_bytes() for f in files[:: max(1, len(files) // 64)]][:64]
-    manifest = json.loads((index / "generations" / (index / "CURRENT").read_text().strip()
-                           / "manifest.json").read_text())
+    manifest = json.loads(
+        (index / "generations" / (index / "CURRENT").read_text().strip() / "manifest.json").read_text()
+    )
 
     port = free_port()
     server = start_server(index, port, args.device, args.threads, args.ui, args.metrics)
@@ -193,23 +261,38 @@ def main() -> None:
         for c in args.concurrency:
             level = run_level(f"http://127.0.0.1:{port}", payloads, c, args.requests, args.warmup, args.k, server.pid)
             lat = level["latency"]
-            print(f"concurrency {c:3d}: {level['throughput_rps']:7.1f} req/s  p50 {lat['p50_ms']:6.1f} ms  "
-                  f"p95 {lat['p95_ms']:6.1f} ms  p99 {lat['p99_ms']:6.1f} ms  batch {level['mean_batch_size']:.1f}  "
-                  f"cpu/req server {level['server_cpu_ms_per_request']:.1f} client {level['client_cpu_ms_per_request']:.1f} ms  "
-                  + "  ".join(f"{ph} {level['server_phases'][ph]['p50_ms']:.1f}" for ph in PHASES[:-1]) + " (p50 ms)")
+            print(
+                f"concurrency {c:3d}: {level['throughput_rps']:7.1f} req/s  p50 {lat['p50_ms']:6.1f} ms  "
+                f"p95 {lat['p95_ms']:6.1f} ms  p99 {lat['p99_ms']:6.1f} ms  batch {level['mean_batch_size']:.1f}  "
+                f"cpu/req server {level['server_cpu_ms_per_request']:.1f} client {level['client_cpu_ms_per_request']:.1f} ms  "
+                + "  ".join(f"{ph} {level['server_phases'][ph]['p50_ms']:.1f}" for ph in PHASES[:-1])
+                + " (p50 ms)"
+            )
             levels.append(level)
     finally:
         server.terminate()
         server.wait(timeout=30)
     result = {
-        "benchmark": "serve_latency", "endpoint": "POST /api/search", "k": args.k,
-        "index": {"count": manifest["count"], "factory": manifest["factory"], "embedding_dim": manifest["embedding_dim"],
-                  "model": manifest.get("model")},
+        "benchmark": "serve_latency",
+        "endpoint": "POST /api/search",
+        "k": args.k,
+        "index": {
+            "count": manifest["count"],
+            "factory": manifest["factory"],
+            "embedding_dim": manifest["embedding_dim"],
+            "model": manifest.get("model"),
+        },
         "query_bytes_mean": float(np.mean([len(p) for p in payloads])),
-        "device": args.device, "threads": args.threads, "stem": args.stem if args.index_dir is None else None,
-        "ui": args.ui, "metrics": args.metrics, "cpu_count": os.cpu_count(),
-        "platform": platform.platform(), "python": platform.python_version(),
-        "command": " ".join([Path(sys.argv[0]).as_posix()] + sys.argv[1:]), "levels": levels,
+        "device": args.device,
+        "threads": args.threads,
+        "stem": args.stem if args.index_dir is None else None,
+        "ui": args.ui,
+        "metrics": args.metrics,
+        "cpu_count": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "command": " ".join([Path(sys.argv[0]).as_posix()] + sys.argv[1:]),
+        "levels": levels,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")

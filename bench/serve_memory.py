@@ -12,6 +12,7 @@ the peak back (``VmHWM``):
 
     python bench/serve_memory.py --index-dir bench/results/serve_work_imagenet/index --out bench/results/serve_memory.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -77,15 +78,34 @@ def main() -> None:
 
     port = free_port()
     env = dict(os.environ, PYTHONPATH=str(args.src.resolve()), PYTHONUNBUFFERED="1")
-    server = subprocess.Popen([sys.executable, "-m", "moco_retrieval", "serve", str(args.index_dir.resolve()), "--port",
-                               str(port), "--no-ui", "--device", "cpu", "--poll-seconds", "0"], cwd=args.src, env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "moco_retrieval",
+            "serve",
+            str(args.index_dir.resolve()),
+            "--port",
+            str(port),
+            "--no-ui",
+            "--device",
+            "cpu",
+            "--poll-seconds",
+            "0",
+        ],
+        cwd=args.src,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
     try:
         if f":{port}/" not in server.stdout.readline():
             raise RuntimeError("moco serve did not start")
         url = f"http://127.0.0.1:{port}/api/search"
         results = {}
         with httpx.Client(timeout=300) as client:
+
             def post(data: bytes) -> int:
                 return client.post(url, files={"image": ("q.png", data, "image/png")}).status_code
 
@@ -96,20 +116,34 @@ def main() -> None:
                 tic = time.perf_counter()
                 with ThreadPoolExecutor(args.clients) as pool:
                     statuses = [s for _ in range(args.rounds) for s in pool.map(post, [data] * args.clients)]
-                results[name] = {"upload_bytes": len(data), "statuses": sorted(set(statuses)),
-                                 "rss_before_mib": base / 1024, "peak_rss_mib": status_kib(server.pid, "VmHWM") / 1024,
-                                 "peak_over_before_mib": (status_kib(server.pid, "VmHWM") - base) / 1024,
-                                 "seconds": time.perf_counter() - tic}
-                print(f"{name:>14}: {len(data):>9} bytes  statuses {results[name]['statuses']}  RSS "
-                      f"{base / 1024:7.0f} MiB -> peak {results[name]['peak_rss_mib']:7.0f} MiB  "
-                      f"({results[name]['seconds']:.1f} s)")
+                results[name] = {
+                    "upload_bytes": len(data),
+                    "statuses": sorted(set(statuses)),
+                    "rss_before_mib": base / 1024,
+                    "peak_rss_mib": status_kib(server.pid, "VmHWM") / 1024,
+                    "peak_over_before_mib": (status_kib(server.pid, "VmHWM") - base) / 1024,
+                    "seconds": time.perf_counter() - tic,
+                }
+                print(
+                    f"{name:>14}: {len(data):>9} bytes  statuses {results[name]['statuses']}  RSS "
+                    f"{base / 1024:7.0f} MiB -> peak {results[name]['peak_rss_mib']:7.0f} MiB  "
+                    f"({results[name]['seconds']:.1f} s)"
+                )
     finally:
         server.terminate()
         server.wait(timeout=30)
-    out = {"benchmark": "serve_memory", "label": args.label, "clients": args.clients, "rounds": args.rounds,
-           "src": str(args.src), "index": str(args.index_dir), "cpu_count": os.cpu_count(),
-           "platform": platform.platform(), "command": " ".join([Path(sys.argv[0]).as_posix()] + sys.argv[1:]),
-           "scenarios": results}
+    out = {
+        "benchmark": "serve_memory",
+        "label": args.label,
+        "clients": args.clients,
+        "rounds": args.rounds,
+        "src": str(args.src),
+        "index": str(args.index_dir),
+        "cpu_count": os.cpu_count(),
+        "platform": platform.platform(),
+        "command": " ".join([Path(sys.argv[0]).as_posix()] + sys.argv[1:]),
+        "scenarios": results,
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=2) + "\n")
     print(f"wrote {args.out}")

@@ -17,6 +17,7 @@ running; a cold one measures the disk).
 Shared pages (the memory-mapped index) count fully in each RSS; PSS splits them between the processes; the
 private memory is what one more worker adds.
 """
+
 from __future__ import annotations
 
 import json
@@ -41,8 +42,7 @@ def smaps(pid: int | str = "self") -> dict[str, int]:
     for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()[1:]:
         key, value = line.split(":", 1)
         values[key] = int(value.split()[0]) * 1024
-    return {"rss": values["Rss"], "pss": values["Pss"],
-            "private": values["Private_Clean"] + values["Private_Dirty"]}
+    return {"rss": values["Rss"], "pss": values["Pss"], "private": values["Private_Clean"] + values["Private_Dirty"]}
 
 
 def _queries(work: Path, n: int, d: int) -> np.ndarray:
@@ -92,8 +92,9 @@ def _search_worker(index_dir: str, xq: np.ndarray, seconds: float, start, done, 
         done.wait()  # every process still has the index mapped: shared pages are counted as shared
         memory = smaps()
         done.wait()
-        results.put({"queries": n, "seconds": elapsed, "memory_loaded": loaded, "memory": memory,
-                     "found": found[:len(xq)]})
+        results.put(
+            {"queries": n, "seconds": elapsed, "memory_loaded": loaded, "memory": memory, "found": found[: len(xq)]}
+        )
 
 
 def warm_page_cache(index_dir: Path) -> float:
@@ -118,8 +119,10 @@ def search_level(index_dir: Path, xq: np.ndarray, truth: np.ndarray, workers: in
 
     ctx = multiprocessing.get_context("spawn")
     start, done, results = ctx.Event(), ctx.Barrier(workers), ctx.Queue()
-    procs = [ctx.Process(target=_search_worker, args=(str(index_dir), xq, seconds, start, done, results))
-             for _ in range(workers)]
+    procs = [
+        ctx.Process(target=_search_worker, args=(str(index_dir), xq, seconds, start, done, results))
+        for _ in range(workers)
+    ]
     for p in procs:
         p.start()
     time.sleep(0.5)
@@ -130,8 +133,13 @@ def search_level(index_dir: Path, xq: np.ndarray, truth: np.ndarray, workers: in
     qps = sum(r["queries"] / r["seconds"] for r in rows)
     hits = [(i, I) for r in rows for i, I in r["found"]]
     recall = recall_at_k(np.stack([I for _, I in hits]), truth[[i for i, _ in hits]])
-    return {"workers": workers, "qps": round(qps, 1), "recall_at_10": round(recall, 4),
-            "memory": [r["memory"] for r in rows], "memory_loaded": [r["memory_loaded"] for r in rows]}
+    return {
+        "workers": workers,
+        "qps": round(qps, 1),
+        "recall_at_10": round(recall, 4),
+        "memory": [r["memory"] for r in rows],
+        "memory_loaded": [r["memory_loaded"] for r in rows],
+    }
 
 
 def http_level(index_dir: Path, workers: int, seconds: float) -> dict:
@@ -149,10 +157,31 @@ def http_level(index_dir: Path, workers: int, seconds: float) -> dict:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "moco_retrieval", "serve", str(index_dir), "--port", str(port),
-                             "--workers", str(workers), "--no-ui", "--device", "cpu", "--poll-seconds", "0",
-                             "--faiss-gpu", "none"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                            text=True, env=dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO)))
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "moco_retrieval",
+            "serve",
+            str(index_dir),
+            "--port",
+            str(port),
+            "--workers",
+            str(workers),
+            "--no-ui",
+            "--device",
+            "cpu",
+            "--poll-seconds",
+            "0",
+            "--faiss-gpu",
+            "none",
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO)),
+    )
     try:
         line = proc.stdout.readline()
         if f":{port}/" not in line:
@@ -189,10 +218,16 @@ def http_level(index_dir: Path, workers: int, seconds: float) -> dict:
                 n += 16
             elapsed = time.perf_counter() - tic
         memory = [smaps(pid) for pid in sorted(pids)]
-        timed = phases[8 * workers:]
+        timed = phases[8 * workers :]
         median_ms = {k: round(1000 * float(np.median([t[k] for t in timed])), 2) for k in timed[0]}
-        return {"workers": workers, "requests_per_s": round(n / elapsed, 1), "workers_seen": len(pids),
-                "median_ms": median_ms, "memory": memory, "supervisor": smaps(proc.pid)}
+        return {
+            "workers": workers,
+            "requests_per_s": round(n / elapsed, 1),
+            "workers_seen": len(pids),
+            "median_ms": median_ms,
+            "memory": memory,
+            "supervisor": smaps(proc.pid),
+        }
     finally:
         proc.terminate()
         proc.wait(timeout=60)
@@ -206,9 +241,15 @@ def phase_serve(args, work: Path) -> None:
         manifest = d.manifest
     xq = _queries(work, args.queries, manifest.embedding_dim)
     truth = _ground_truth(work, index_dir, xq)
-    info = {"count": manifest.count, "factory": manifest.factory, "search_params": manifest.search_params,
-            "on_disk": manifest.on_disk, "generation": manifest.generation, "delta_count": manifest.delta_count,
-            "removed_count": manifest.removed_count}
+    info = {
+        "count": manifest.count,
+        "factory": manifest.factory,
+        "search_params": manifest.search_params,
+        "on_disk": manifest.on_disk,
+        "generation": manifest.generation,
+        "delta_count": manifest.delta_count,
+        "removed_count": manifest.removed_count,
+    }
     print(f"page cache warmed in {warm_page_cache(index_dir):.1f} s", flush=True)
     for workers in args.workers:
         row = search_level(index_dir, xq, truth, workers, args.seconds)

@@ -16,6 +16,7 @@ Each measurement runs ``--warmup`` steps untimed, then ``--steps`` timed steps.
     python bench/train_throughput.py --arch resnet50 --image-size 224 --device cuda --amp on --batch-size 256 \\
         --max-batch 4096 --out bench/results/train_throughput_gpu.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,7 +50,9 @@ def compute_only(cfg: TrainConfig, steps: int, warmup: int) -> dict:
         torch.backends.cudnn.benchmark = True
         torch.cuda.reset_peak_memory_stats(device)
     layout = variant.memory_format
-    model = variant.build_model(cfg, variant.bn_splits(cfg.bn_splits, cfg.batch_size, 1)).to(device, memory_format=layout)
+    model = variant.build_model(cfg, variant.bn_splits(cfg.bn_splits, cfg.batch_size, 1)).to(
+        device, memory_format=layout
+    )
     if cfg.compile:
         model.encoder_q.compile()
         model.encoder_k.compile()
@@ -79,6 +82,7 @@ def end_to_end(cfg: TrainConfig, steps: int, warmup: int) -> dict:
                 run_epoch(t, p, p.epoch, target)
                 if p.batch_in_epoch >= t.steps_per_epoch:
                     p.epoch, p.batch_in_epoch = p.epoch + 1, 0
+
         advance(warmup)
         _sync(device)
         tic = time.perf_counter()
@@ -98,11 +102,21 @@ def _sync(device: torch.device) -> None:
 def _row(mode: str, cfg: TrainConfig, device: torch.device, steps: int, elapsed: float, optimizer) -> dict:
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     return {
-        "mode": mode, "moco_version": cfg.moco_version, "arch": cfg.arch, "image_size": cfg.image_size,
-        "stem": cfg.resolved_stem if cfg.arch not in VITS else None, "batch_size": cfg.batch_size,
-        "queue_size": cfg.queue_size, "device": str(device), "amp": bool(cfg.amp), "compile": cfg.compile,
-        "optimizer": type(optimizer).__name__, "steps": steps, "seconds": elapsed,
-        "images_per_s": steps * cfg.batch_size / elapsed, "peak_gpu_memory_gib": peak,
+        "mode": mode,
+        "moco_version": cfg.moco_version,
+        "arch": cfg.arch,
+        "image_size": cfg.image_size,
+        "stem": cfg.resolved_stem if cfg.arch not in VITS else None,
+        "batch_size": cfg.batch_size,
+        "queue_size": cfg.queue_size,
+        "device": str(device),
+        "amp": bool(cfg.amp),
+        "compile": cfg.compile,
+        "optimizer": type(optimizer).__name__,
+        "steps": steps,
+        "seconds": elapsed,
+        "images_per_s": steps * cfg.batch_size / elapsed,
+        "peak_gpu_memory_gib": peak,
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
     }
 
@@ -144,8 +158,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--device", default="cpu")
     p.add_argument("--amp", choices=("off", "on", "both"), default="both", help="bf16 autocast")
     p.add_argument("--compile", action="store_true")
-    p.add_argument("--max-batch", type=int, default=0,
-                   help="GPU: double --batch-size up to this while a step fits in memory, then measure the largest")
+    p.add_argument(
+        "--max-batch",
+        type=int,
+        default=0,
+        help="GPU: double --batch-size up to this while a step fits in memory, then measure the largest",
+    )
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeat", type=int, default=1, help="alternate the modes this many times (median reported)")
@@ -161,10 +179,21 @@ def main(argv: list[str] | None = None) -> list[dict]:
             for size in args.image_size:
                 for amp in amps:
                     cfg = TrainConfig(
-                        data_dir=args.data or "-", out_dir="-", moco_version=version, arch=arch, stem=args.stem,
-                        patch_size=args.patch_size, image_size=size, batch_size=args.batch_size, epochs=1000,
-                        queue_size=args.queue_size if version == 2 else None, device=args.device, amp=amp,
-                        compile=args.compile, workers=args.workers, knn_every=0,
+                        data_dir=args.data or "-",
+                        out_dir="-",
+                        moco_version=version,
+                        arch=arch,
+                        stem=args.stem,
+                        patch_size=args.patch_size,
+                        image_size=size,
+                        batch_size=args.batch_size,
+                        epochs=1000,
+                        queue_size=args.queue_size if version == 2 else None,
+                        device=args.device,
+                        amp=amp,
+                        compile=args.compile,
+                        workers=args.workers,
+                        knn_every=0,
                     )
                     if args.max_batch:
                         batch = largest_fitting_batch(cfg, args.max_batch)
@@ -186,11 +215,21 @@ def main(argv: list[str] | None = None) -> list[dict]:
                         results.append(row)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({
-        "benchmark": "train_throughput", "host": platform.node(), "cpu_threads": torch.get_num_threads(),
-        "cpu_native_bf16": cpu_has_native_bf16(), "torch": torch.__version__, "command": " ".join(sys.argv),
-        "results": results,
-    }, indent=2) + "\n")
+    out.write_text(
+        json.dumps(
+            {
+                "benchmark": "train_throughput",
+                "host": platform.node(),
+                "cpu_threads": torch.get_num_threads(),
+                "cpu_native_bf16": cpu_has_native_bf16(),
+                "torch": torch.__version__,
+                "command": " ".join(sys.argv),
+                "results": results,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     print(f"wrote {out}")
     return results
 

@@ -5,6 +5,7 @@ the new one, never a half-written one, and a failure removes the temporary file.
 An ``OSError`` while writing becomes an :class:`~contracts.errors.OutputError` with a one-line message
 (:class:`output_errors`), so a full disk reads "disk full while writing X", not a traceback.
 """
+
 from __future__ import annotations
 
 import errno
@@ -39,8 +40,10 @@ class output_errors:
         if exc_type is None or not issubclass(exc_type, OSError):
             return False
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise OutputError(f"disk full while writing {self.what}; free some space{_free_space(self.what)} and "
-                              "rerun the same command (finished work is kept)") from exc
+            raise OutputError(
+                f"disk full while writing {self.what}; free some space{_free_space(self.what)} and "
+                "rerun the same command (finished work is kept)"
+            ) from exc
         raise OutputError(f"cannot write {self.what} ({exc.strerror or exc}); {self.hint}") from exc
 
 
@@ -113,8 +116,10 @@ def check_free_space(folder: str | os.PathLike, needed: int, what: str) -> None:
     except OSError:  # cannot tell here: the writes will say
         return
     if free < needed:
-        raise OutputError(f"disk full: {what} needs {needed / 1e6:,.1f} MB and {folder} has {free / 1e6:,.1f} MB "
-                          "free; free some space and rerun the same command (finished work is kept)")
+        raise OutputError(
+            f"disk full: {what} needs {needed / 1e6:,.1f} MB and {folder} has {free / 1e6:,.1f} MB "
+            "free; free some space and rerun the same command (finished work is kept)"
+        )
 
 
 def fsync_dir(path: str | os.PathLike) -> None:

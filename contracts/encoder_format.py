@@ -9,8 +9,9 @@ transposes to NCHW itself. Output :data:`OUTPUT_NAME`, float32 ``[N, D]``, L2-no
 :data:`ENCODER_FORMAT`, ``format_version``) and how to feed it (``image_size``, ``resize``, ``mean``/``std``,
 ``embedding_dim``); provenance keys (``run_id``, ``checkpoint_epoch`` ...) may follow. An encoder exported
 straight from weights (``moco export --init``) also names them: ``init_source`` (the file's name),
-``init_sha256`` and ``init_layout``; its ``moco_version`` is 0 when MoCo did not train them (torchvision, timm). :func:`encode_metadata`
-and :func:`decode_metadata` are each other's inverse; :func:`validate_metadata` is the one check a reader runs.
+``init_sha256`` and ``init_layout``; its ``moco_version`` is 0 when MoCo did not train them (torchvision, timm).
+:func:`encode_metadata` and :func:`decode_metadata` are each other's inverse; :func:`validate_metadata` is the
+one check a reader runs.
 
 The resize policy :data:`RESIZE_POLICY` (``shorter_side_center_crop``) is implemented by
 :func:`preprocess_image`: resize the shorter side to ``image_size`` (the longer to ``int(size * long / short)``)
@@ -18,6 +19,7 @@ with PIL bilinear (antialiased), then center-crop a square with torchvision's of
 ``int(round((h - size) / 2))``. It equals torchvision's ``Resize(size)`` + ``CenterCrop(size)``, the trainer's
 evaluation transform, so a model is served exactly as it was measured.
 """
+
 from __future__ import annotations
 
 import json
@@ -38,17 +40,43 @@ RESIZE_POLICY = "shorter_side_center_crop"
 RESIZE_POLICIES = (RESIZE_POLICY,)
 
 # metadata_props are strings; these keys are decoded to numbers / lists, every other key stays a string.
-INT_KEYS = ("format_version", "image_size", "embedding_dim", "moco_version", "opset", "checkpoint_epoch",
-            "checkpoint_step")
+INT_KEYS = (
+    "format_version",
+    "image_size",
+    "embedding_dim",
+    "moco_version",
+    "opset",
+    "checkpoint_epoch",
+    "checkpoint_step",
+)
 JSON_KEYS = ("mean", "std")
-REQUIRED_KEYS = ("format", "format_version", "image_size", "embedding_dim", "arch", "moco_version", "resize",
-                 "mean", "std")
+REQUIRED_KEYS = (
+    "format",
+    "format_version",
+    "image_size",
+    "embedding_dim",
+    "arch",
+    "moco_version",
+    "resize",
+    "mean",
+    "std",
+)
 
 
 # what an index's manifest and `/api/info` say about the model (init_*: the weights file of an encoder made by
 # `moco export --init`, present only there)
-SUMMARY_KEYS = ("arch", "moco_version", "image_size", "embedding_dim", "resize", "precision", "run_id",
-                "format_version", "init_source", "init_sha256")
+SUMMARY_KEYS = (
+    "arch",
+    "moco_version",
+    "image_size",
+    "embedding_dim",
+    "resize",
+    "precision",
+    "run_id",
+    "format_version",
+    "init_source",
+    "init_sha256",
+)
 
 
 def model_summary(meta: dict) -> dict:
@@ -101,16 +129,19 @@ def validate_metadata(props: dict[str, str], where: str) -> dict:
     except ValueError as exc:
         raise ArtifactError(f"{where} has malformed encoder metadata ({exc}); export it again") from exc
     if meta["format_version"] > ENCODER_FORMAT_VERSION:
-        raise ArtifactError(f"{where} has encoder format {meta['format_version']}, newer than this moco-retrieval "
-                            f"reads ({ENCODER_FORMAT_VERSION}); upgrade moco-retrieval")
+        raise ArtifactError(
+            f"{where} has encoder format {meta['format_version']}, newer than this moco-retrieval "
+            f"reads ({ENCODER_FORMAT_VERSION}); upgrade moco-retrieval"
+        )
     if meta["resize"] not in RESIZE_POLICIES:
         raise ArtifactError(f"{where} declares resize policy {meta['resize']!r}, unknown here; upgrade moco-retrieval")
     if len(meta["mean"]) != 3 or len(meta["std"]) != 3:
         raise ArtifactError(f"{where} has inconsistent encoder metadata; export it again with `moco export`")
     for key, (low, high) in DECLARED_BOUNDS.items():
         if not low <= meta[key] <= high:  # an image_size of 60,000 made every decode allocate 10.8 GB
-            raise ArtifactError(f"{where} declares {key} {meta[key]}, outside {low}-{high}; export it again with "
-                                "`moco export`")
+            raise ArtifactError(
+                f"{where} declares {key} {meta[key]}, outside {low}-{high}; export it again with `moco export`"
+            )
     return meta
 
 
@@ -136,14 +167,18 @@ def check_embeddings(x, n: int, embedding_dim: int, where: str):
     """
     shape = tuple(getattr(x, "shape", ()))
     if shape != (n, embedding_dim):
-        raise ArtifactError(f"{where} returned embeddings of shape {list(shape)}, not the declared [{n}, "
-                            f"{embedding_dim}]; export it again with `moco export`")
+        raise ArtifactError(
+            f"{where} returned embeddings of shape {list(shape)}, not the declared [{n}, "
+            f"{embedding_dim}]; export it again with `moco export`"
+        )
     if not np.isfinite(x).all():
         raise ArtifactError(f"{where} returned non-finite embeddings (NaN or inf); export it again with `moco export`")
     norms = np.linalg.norm(x, axis=1)
     if n and np.abs(norms - 1).max() > NORM_TOLERANCE:
-        raise ArtifactError(f"{where} returned embeddings that are not L2-normalized (norms {norms.min():.3g}-"
-                            f"{norms.max():.3g}); export it again with `moco export`")
+        raise ArtifactError(
+            f"{where} returned embeddings that are not L2-normalized (norms {norms.min():.3g}-"
+            f"{norms.max():.3g}); export it again with `moco export`"
+        )
     return x
 
 

@@ -4,6 +4,7 @@ Pure Python (no torch): every package raises these, the ``moco`` CLI prints ``mo
 exits with ``exit_code``; the HTTP API answers ``http_status`` with ``{"error": <message>}``.
 Messages are one line and say what to do.
 """
+
 from __future__ import annotations
 
 

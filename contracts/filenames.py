@@ -18,6 +18,7 @@ walk, the scan, the records, the work shards), and:
 Names that differ only in Unicode normalization (NFC ``é`` vs NFD ``e`` + combining accent) are different
 byte strings, so different files, and are kept apart as such.
 """
+
 from __future__ import annotations
 
 import os

@@ -30,6 +30,7 @@ decoded whole and the conversions after it work in place or with one extra buffe
 applied; 16-bit grayscale is scaled to 8 bits (not clipped); transparency (alpha channels, palette or
 grayscale transparency) is composited on :data:`BACKGROUND`; everything else is converted to RGB.
 """
+
 from __future__ import annotations
 
 import io
@@ -52,8 +53,7 @@ LOG = logging.getLogger(__name__)
 
 # Every raster format the decode reads and the server accepts as a query (GIF: the first frame; ICO: the largest
 # size), so nothing a user can search with is silently left out of an index.
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".jpe", ".jfif", ".png", ".webp", ".bmp", ".tif", ".tiff", ".gif", ".avif",
-                    ".ico")
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".jpe", ".jfif", ".png", ".webp", ".bmp", ".tif", ".tiff", ".gif", ".avif", ".ico")
 # The largest image any stage decodes (Pillow's own bomb guard is twice its default of this value).
 MAX_IMAGE_PIXELS = 89_478_485
 # The most elongated image any stage decodes (long side / short side). The encoder's resize keeps the aspect
@@ -98,8 +98,13 @@ class FoundFile:
 
 
 def _file_kind(mode: int) -> str:
-    for test, kind in ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
-                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
+    for test, kind in (
+        (stat.S_ISDIR, "a folder"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+    ):
         if test(mode):
             return kind
     return "not a regular file"
@@ -108,8 +113,9 @@ def _file_kind(mode: int) -> str:
 OUTSIDE_ROOT = "outside the image folder (through a symlink)"
 
 
-def walk_image_files(root: str | os.PathLike, confine: bool = False,
-                     not_images: dict[str, int] | None = None) -> list[FoundFile]:
+def walk_image_files(
+    root: str | os.PathLike, confine: bool = False, not_images: dict[str, int] | None = None
+) -> list[FoundFile]:
     """Every image-named file under ``root`` by the folder rules above, sorted by relative path.
 
     Reads only directory entries and ``stat`` (never file contents), so rescanning millions of files is cheap.
@@ -128,8 +134,9 @@ def is_inside(real_path: str, real_root: str) -> bool:
     return real_path == real_root or real_path.startswith(real_root.rstrip(os.sep) + os.sep)
 
 
-def iter_image_files(root: str | os.PathLike, confine: bool = False,
-                     not_images: dict[str, int] | None = None) -> Iterator[FoundFile]:
+def iter_image_files(
+    root: str | os.PathLike, confine: bool = False, not_images: dict[str, int] | None = None
+) -> Iterator[FoundFile]:
     """The files of :func:`walk_image_files` as they are found (each folder's entries sorted, folders in walk
     order), for callers that need only the first few.
 
@@ -278,8 +285,9 @@ def _read_source(source: str | os.PathLike | bytes) -> tuple[str, bytes]:
         raise DataError(f"{name}: {exc}") from None
 
 
-def check_size(width: int, height: int, max_pixels: int = MAX_IMAGE_PIXELS,
-               max_aspect: float = MAX_ASPECT_RATIO) -> str | None:
+def check_size(
+    width: int, height: int, max_pixels: int = MAX_IMAGE_PIXELS, max_aspect: float = MAX_ASPECT_RATIO
+) -> str | None:
     """``None`` when a ``width`` x ``height`` image may be decoded, else the one-line reason it may not."""
     if width < 1 or height < 1:
         return f"no pixels ({width}x{height})"
@@ -330,8 +338,13 @@ def _reduction(short_side: int, target_size: int | None) -> float:
     return min(1.0, REDUCING_GAP * target_size / short_side)
 
 
-def decode_image(source: str | os.PathLike | bytes, *, target_size: int | None = None,
-                 max_pixels: int = MAX_IMAGE_PIXELS, max_aspect: float = MAX_ASPECT_RATIO) -> Image.Image:
+def decode_image(
+    source: str | os.PathLike | bytes,
+    *,
+    target_size: int | None = None,
+    max_pixels: int = MAX_IMAGE_PIXELS,
+    max_aspect: float = MAX_ASPECT_RATIO,
+) -> Image.Image:
     """Decode an image file (or its bytes), upright and in RGB (see the module docstring).
 
     Args:

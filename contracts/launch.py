@@ -6,6 +6,7 @@ starts (on one node or many); SLURM's ``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLUR
 ``trainer.dist`` joins a torch process group with it; ``indexer.ranks`` (torch-free) splits the embedding
 work of ``moco index`` with it and meets the other ranks through files.
 """
+
 from __future__ import annotations
 
 import os
@@ -14,9 +15,9 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class WorldInfo:
-    local_rank: int        # this process's number on its node (the GPU it should use)
-    rank: int              # this process's number among all of them, 0 .. world_size - 1
-    world_size: int        # processes in the job, on all nodes
+    local_rank: int  # this process's number on its node (the GPU it should use)
+    rank: int  # this process's number among all of them, 0 .. world_size - 1
+    world_size: int  # processes in the job, on all nodes
     local_world_size: int = 1  # processes on this node (they share its cores)
 
 

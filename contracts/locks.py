@@ -6,6 +6,7 @@ append the same steps twice to ``metrics.jsonl``). The kernel drops the lock whe
 ends, so a killed run never leaves the directory locked. Where there is no ``flock`` (not POSIX) nothing is
 locked.
 """
+
 from __future__ import annotations
 
 import os

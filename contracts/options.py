@@ -6,6 +6,7 @@ those fields, and :func:`from_arguments` builds the config from the parsed argum
 index`` and ``moco serve`` all take their flags from here, so a default is written once, beside its reason, and
 ``--help`` cannot disagree with the code.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -13,8 +14,7 @@ import dataclasses
 import typing
 
 
-def option(default, help: str, group: str = "options", cli: bool = True, flag: str | None = None,
-           **argparse_kwargs):
+def option(default, help: str, group: str = "options", cli: bool = True, flag: str | None = None, **argparse_kwargs):
     """A config field with its command-line help.
 
     Args:
@@ -49,16 +49,18 @@ def cli_fields(cls, only: typing.Iterable[str] | None = None) -> list[dataclasse
     return [flags[name] for name in only] if only is not None else list(flags.values())
 
 
-def add_arguments(parser: argparse.ArgumentParser, cls, groups: typing.Iterable[str] = (),
-                  only: typing.Iterable[str] | None = None) -> None:
+def add_arguments(
+    parser: argparse.ArgumentParser, cls, groups: typing.Iterable[str] = (), only: typing.Iterable[str] | None = None
+) -> None:
     """Add one flag per command-line field of the dataclass ``cls`` (see :func:`option`), in sections named by
     the fields' groups (``groups`` fixes their order; others follow as they come)."""
     hints = typing.get_type_hints(cls)
     sections = {name: parser.add_argument_group(name) for name in groups}
     for f in cli_fields(cls, only):
         meta = f.metadata
-        section = sections.get(meta["group"]) or sections.setdefault(meta["group"], parser.add_argument_group(
-            meta["group"]))
+        section = sections.get(meta["group"]) or sections.setdefault(
+            meta["group"], parser.add_argument_group(meta["group"])
+        )
         kwargs = dict(meta.get("argparse", {}))
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
         if default is dataclasses.MISSING:
@@ -71,8 +73,13 @@ def add_arguments(parser: argparse.ArgumentParser, cls, groups: typing.Iterable[
             continue
         if kind is bool and "action" not in kwargs:
             if default:  # a switch that is on: the flag turns it off
-                section.add_argument(meta.get("flag") or _flag("no_" + f.name), dest=f.name, action="store_false",
-                                     default=True, help=help_text)
+                section.add_argument(
+                    meta.get("flag") or _flag("no_" + f.name),
+                    dest=f.name,
+                    action="store_false",
+                    default=True,
+                    help=help_text,
+                )
             else:
                 section.add_argument(flag, dest=f.name, action="store_true", default=False, help=help_text)
             continue

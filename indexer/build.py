@@ -24,6 +24,7 @@ publish what changed.
 
 A run that changes nothing publishes nothing.
 """
+
 from __future__ import annotations
 
 import logging
@@ -36,7 +37,13 @@ from pathlib import Path
 
 import numpy as np
 
-from moco_retrieval.contracts.atomic import atomic_write, copy_atomic, link_or_copy_atomic, output_errors, write_json_atomic
+from moco_retrieval.contracts.atomic import (
+    atomic_write,
+    copy_atomic,
+    link_or_copy_atomic,
+    output_errors,
+    write_json_atomic,
+)
 from moco_retrieval.contracts.encoder_format import model_summary
 from moco_retrieval.contracts.errors import ArtifactError, ConfigError, DataError, OutputError
 from moco_retrieval.contracts.filenames import display_name
@@ -72,6 +79,7 @@ from moco_retrieval.indexer.vectors import BlockVectors, BlockWriter, block_dtyp
 
 LOG = logging.getLogger(__name__)
 
+
 def default_workers(world: WorldInfo | None = None) -> int:
     """Decoding processes of one rank: its share of the cores but the one feeding the encoder, at most 16
     (0, decoding in the rank itself, when it has a single core)."""
@@ -94,22 +102,22 @@ class IndexResult:
     removed: int
     unchanged: int
     duplicates: int
-    embedded: int                     # files decoded + embedded by this run (resumed ones not included)
-    resumed: int                      # results taken from the shards of an interrupted run
-    skipped: list[dict]               # [{path, reason}] files that could not be indexed
+    embedded: int  # files decoded + embedded by this run (resumed ones not included)
+    resumed: int  # results taken from the shards of an interrupted run
+    skipped: list[dict]  # [{path, reason}] files that could not be indexed
     factory: str
     recall_at_10: float | None
     search_params: dict
-    timings: dict                     # seconds: scan, plan, embed (...), commit, index, publish, compact, total
+    timings: dict  # seconds: scan, plan, embed (...), commit, index, publish, compact, total
     report_path: str
-    mode: str = "build"               # build, update, compaction, unchanged, or rank (a rank > 0: embedded only)
-    compacted: str | None = None      # the generation a compaction published after the update, if any
+    mode: str = "build"  # build, update, compaction, unchanged, or rank (a rank > 0: embedded only)
+    compacted: str | None = None  # the generation a compaction published after the update, if any
     rank: int = 0
     world_size: int = 1
     delta_count: int = 0
     removed_count: int = 0
     not_images: dict = field(default_factory=dict)  # extension -> files of the folder passed over for it
-    reattached: str | None = None     # the folder this index was built from, when this run moved it to image_dir
+    reattached: str | None = None  # the folder this index was built from, when this run moved it to image_dir
 
 
 class Stopwatch:
@@ -147,15 +155,15 @@ class _Run:
     world: WorldInfo
     clock: Stopwatch
     embedder: Embedder | None = None
-    previous: str | None = None               # the live generation this run follows
+    previous: str | None = None  # the live generation this run follows
     prev_manifest: IndexManifest | None = None
-    base: IndexManifest | None = None         # the manifest an update builds on (None: a full build)
+    base: IndexManifest | None = None  # the manifest an update builds on (None: a full build)
     plan: Plan | None = None
     shards: WorkShards | None = None
-    embedded: int = 0                         # files decoded and embedded by this run
-    resumed: int = 0                          # results taken from the shards of an interrupted run
+    embedded: int = 0  # files decoded and embedded by this run
+    resumed: int = 0  # results taken from the shards of an interrupted run
     not_images: dict[str, int] = field(default_factory=dict)  # what the scan passed over, by extension
-    reattached: str | None = None             # the old image folder, when --reattach moves the index here
+    reattached: str | None = None  # the old image folder, when --reattach moves the index here
 
     @property
     def encoder(self):
@@ -174,11 +182,11 @@ class _Run:
 class Changes:
     """What the embedded plan does to the index: the files that go in, and the figures the report gives."""
 
-    readable: list[FoundFile]         # new and changed files that were embedded, in path order
+    readable: list[FoundFile]  # new and changed files that were embedded, in path order
     added: int
     updated: int
-    removed: int                      # vanished files, and changed ones that became unreadable
-    skipped: list[dict]               # [{path, reason}] every file that could not be indexed, by path
+    removed: int  # vanished files, and changed ones that became unreadable
+    skipped: list[dict]  # [{path, reason}] every file that could not be indexed, by path
 
 
 @dataclass
@@ -187,21 +195,21 @@ class GenerationDraft:
     compaction): everything its manifest says beyond what the run itself knows."""
 
     name: str
-    built: faiss_index.BuiltIndex     # the FAISS side: factory, search parameters, recall, where it was built
-    count: int                        # live items
+    built: faiss_index.BuiltIndex  # the FAISS side: factory, search parameters, recall, where it was built
+    count: int  # live items
     next_id: int
     duplicates: int
-    labels: dict[str, int]            # label -> live items
-    blocks: list[str]                 # vector blocks, oldest first
-    dtype: np.dtype                   # of the vector blocks
+    labels: dict[str, int]  # label -> live items
+    blocks: list[str]  # vector blocks, oldest first
+    dtype: np.dtype  # of the vector blocks
     base_count: int
     base_next_id: int
     base_generation: str
-    files: dict[str, dict]            # the generation's files: size and sha256 (``indexer.integrity``)
-    block_files: dict[str, dict]      # the same for the vector blocks' files
+    files: dict[str, dict]  # the generation's files: size and sha256 (``indexer.integrity``)
+    block_files: dict[str, dict]  # the same for the vector blocks' files
     delta_count: int = 0
     removed_count: int = 0
-    created_at: str | None = None     # None: the index's (a first build: now)
+    created_at: str | None = None  # None: the index's (a first build: now)
 
 
 @contextmanager
@@ -266,6 +274,7 @@ def build_index_dir(cfg: IndexConfig, embedder: Embedder | None = None, scanner=
 
 # --- 1. plan -------------------------------------------------------------------------------------------------
 
+
 def _live_generation(layout: IndexLayout, rebuild: bool) -> str | None:
     """The generation this run follows: the live one (``None`` when nothing was published), checked before
     anything is scanned or embedded.
@@ -315,10 +324,15 @@ def _plan(run: _Run, labels, scanner, live: str | None) -> None:
     if run.prev_manifest is not None and not cfg.rebuild and world.rank == 0:
         # before anything is scanned or embedded: what an update reads and copies is hashed (the delta layer:
         # small), what it shares and carries forward is sized; --verify hashes everything
-        checked = integrity.check_files(layout, live, run.prev_manifest,
-                                        hashed=integrity.ALL if cfg.verify else integrity.UPDATE_READS,
-                                        blocks=True, hashed_blocks=cfg.verify,
-                                        ignore=() if cfg.verify else (ENCODER_FILE,))
+        checked = integrity.check_files(
+            layout,
+            live,
+            run.prev_manifest,
+            hashed=integrity.ALL if cfg.verify else integrity.UPDATE_READS,
+            blocks=True,
+            hashed_blocks=cfg.verify,
+            ignore=() if cfg.verify else (ENCODER_FILE,),
+        )
         run.clock.add("check_previous", checked.seconds)
     gone = None
     with run.clock.phase("scan"):
@@ -333,16 +347,26 @@ def _plan(run: _Run, labels, scanner, live: str | None) -> None:
         run.embedder = _open_embedder(cfg, image_root, world)
     encoder = run.encoder
     if run.prev_manifest is not None and not cfg.rebuild:
-        run.prev_manifest.check_encoder(encoder.sha256, encoder.embedding_dim, encoder.path, str(layout.root),
-                                        "pass --rebuild to re-embed everything with it")
+        run.prev_manifest.check_encoder(
+            encoder.sha256,
+            encoder.embedding_dim,
+            encoder.path,
+            str(layout.root),
+            "pass --rebuild to re-embed everything with it",
+        )
         if Path(run.prev_manifest.image_root) != image_root:
             if not cfg.reattach:
-                raise ArtifactError(f"{layout.root} indexes {run.prev_manifest.image_root}, not {image_root}; pass "
-                                    "--reattach if the folder moved (unchanged files keep their ids and vectors), "
-                                    "--rebuild to index this folder instead, or use another --out")
+                raise ArtifactError(
+                    f"{layout.root} indexes {run.prev_manifest.image_root}, not {image_root}; pass "
+                    "--reattach if the folder moved (unchanged files keep their ids and vectors), "
+                    "--rebuild to index this folder instead, or use another --out"
+                )
             run.reattached = run.prev_manifest.image_root
-            LOG.info("re-attaching %s to %s: files with the same relative path, size and mtime keep their ids",
-                     layout.root, image_root)
+            LOG.info(
+                "re-attaching %s to %s: files with the same relative path, size and mtime keep their ids",
+                layout.root,
+                image_root,
+            )
     run.base = run.prev_manifest if not cfg.rebuild else None
     with run.clock.phase("plan"):
         store = _open_store(layout.generation(run.previous)) if run.base is not None else None
@@ -360,8 +384,9 @@ def _plan(run: _Run, labels, scanner, live: str | None) -> None:
     expected = (run.base.count if run.base else 0) + len(run.plan.todo) - len(run.plan.removed_ids)
     factory = _wanted(cfg, max(expected, 1), encoder.embedding_dim).factory
     dtype = block_dtype(factory if run.base is None else run.base.factory)
-    run.shards = WorkShards(layout.work, encoder.sha256, encoder.embedding_dim, cfg.shard_size, rank=world.rank,
-                            dtype=dtype)
+    run.shards = WorkShards(
+        layout.work, encoder.sha256, encoder.embedding_dim, cfg.shard_size, rank=world.rank, dtype=dtype
+    )
     if world.rank == 0:
         discard_other_models(layout.work, run.shards.dir)
 
@@ -391,6 +416,7 @@ def _wanted(cfg: IndexConfig, n: int, d: int) -> faiss_index.IndexChoice:
 
 # --- 2. embed ------------------------------------------------------------------------------------------------
 
+
 def _embed_share(run: _Run) -> None:
     """Embed this rank's part of the plan into the shards (rank > 0 then says it is done)."""
     cfg, world, plan = run.cfg, run.world, run.plan
@@ -399,8 +425,7 @@ def _embed_share(run: _Run) -> None:
     if world.world_size > 1:
         run.shards.on_flush = rendezvous.progress
         rendezvous.progress(0)
-        LOG.info("rank %d of %d: %d of the %d files to embed", world.rank, world.world_size, len(part),
-                 len(plan.todo))
+        LOG.info("rank %d of %d: %d of the %d files to embed", world.rank, world.world_size, len(part), len(plan.todo))
     run.embed(part)
     if world.rank != 0:
         rendezvous.mark_done(plan_digest(part), len(part))
@@ -413,17 +438,20 @@ def _wait_for_ranks(run: _Run) -> None:
         return
     with run.clock.phase("wait_for_ranks"):
         Rendezvous(shards.dir, world, cfg.rank_timeout).wait_for_peers(
-            {r: plan_digest(part_of_plan(plan.todo, r, world.world_size, cfg.shard_size))
-             for r in range(world.world_size)})
+            {
+                r: plan_digest(part_of_plan(plan.todo, r, world.world_size, cfg.shard_size))
+                for r in range(world.world_size)
+            }
+        )
     shards.refresh()
     gaps = [e for e in plan.todo if shards.lookup(e.path, e.bytes, e.mtime_ns) is None]
     if gaps:
-        LOG.warning("rank 0 embeds %d files the other ranks did not (the folder changed during the run?)",
-                    len(gaps))
+        LOG.warning("rank 0 embeds %d files the other ranks did not (the folder changed during the run?)", len(gaps))
         run.embed(gaps)
 
 
 # --- 3. commit -----------------------------------------------------------------------------------------------
+
 
 def _commit(run: _Run) -> IndexResult:
     """Turn the embedded plan into the next generation by one of the three strategies, and publish it (or
@@ -432,8 +460,10 @@ def _commit(run: _Run) -> IndexResult:
     changes = _changes(run)
     if base is None and not changes.readable:
         first = changes.skipped[0]
-        raise DataError(f"no readable images in {run.image_root} ({len(changes.skipped)} unreadable files, e.g. "
-                        f"{display_name(first['path'])}: {first['reason']})")
+        raise DataError(
+            f"no readable images in {run.image_root} ({len(changes.skipped)} unreadable files, e.g. "
+            f"{display_name(first['path'])}: {first['reason']})"
+        )
     if base is not None and _nothing_changed(run):
         if _compaction_wanted(run, base):
             result = _compact(run, run.previous, changes)
@@ -472,14 +502,20 @@ def _changes(run: _Run) -> Changes:
         if entry is not None and entry["row"] < 0:
             failed[e.path] = entry
     for path, entry in failed.items():
-        plan.skipped[path] = {"path": path, "bytes": entry["stat_bytes"], "mtime_ns": entry["mtime_ns"],
-                              "reason": entry["error"]}
+        plan.skipped[path] = {
+            "path": path,
+            "bytes": entry["stat_bytes"],
+            "mtime_ns": entry["mtime_ns"],
+            "reason": entry["error"],
+        }
     readable = [e for e in plan.todo if e.path not in failed]
-    return Changes(readable=readable,
-                   added=sum(1 for e in readable if e.path not in plan.changed_ids),
-                   updated=sum(1 for e in readable if e.path in plan.changed_ids),
-                   removed=len(plan.removed_ids) + sum(1 for p in failed if p in plan.changed_ids),
-                   skipped=_skipped_list(plan))
+    return Changes(
+        readable=readable,
+        added=sum(1 for e in readable if e.path not in plan.changed_ids),
+        updated=sum(1 for e in readable if e.path in plan.changed_ids),
+        removed=len(plan.removed_ids) + sum(1 for p in failed if p in plan.changed_ids),
+        skipped=_skipped_list(plan),
+    )
 
 
 def _skipped_list(plan: Plan) -> list[dict]:
@@ -500,8 +536,7 @@ def _compaction_wanted(run: _Run, manifest: IndexManifest) -> bool:
     if cfg.compact == "now":
         return True
     wanted = _wanted(cfg, max(1, manifest.count), manifest.embedding_dim)
-    restructure = (not faiss_index.same_structure(manifest.factory, wanted.factory)
-                   or wanted.on_disk != manifest.on_disk)
+    restructure = not faiss_index.same_structure(manifest.factory, wanted.factory) or wanted.on_disk != manifest.on_disk
     if restructure and (cfg.compact == "auto" or cfg.index_type != "auto"):  # never: only an explicit new type
         LOG.info("%s is now %s%s: rebuilding", manifest.factory, wanted.factory, " on disk" if wanted.on_disk else "")
         return True
@@ -516,14 +551,25 @@ def _records(run: _Run, readable: list[FoundFile], next_id: int) -> list[dict]:
     records = []
     for i, e in enumerate(readable):
         entry = run.shards.lookup(e.path, e.bytes, e.mtime_ns)
-        records.append({"id": next_id + i, "path": e.path, "label": e.label, "width": entry["width"],
-                        "height": entry["height"], "bytes": entry["bytes"], "sha256": entry["sha256"],
-                        "mtime": e.mtime_ns / 1e9, "mtime_ns": e.mtime_ns})
+        records.append(
+            {
+                "id": next_id + i,
+                "path": e.path,
+                "label": e.label,
+                "width": entry["width"],
+                "height": entry["height"],
+                "bytes": entry["bytes"],
+                "sha256": entry["sha256"],
+                "mtime": e.mtime_ns / 1e9,
+                "mtime_ns": e.mtime_ns,
+            }
+        )
     return records
 
 
-def _write_block(run: _Run, name: str, ids: np.ndarray, vectors: np.ndarray, dtype
-                 ) -> tuple[list[str], dict[str, dict]]:
+def _write_block(
+    run: _Run, name: str, ids: np.ndarray, vectors: np.ndarray, dtype
+) -> tuple[list[str], dict[str, dict]]:
     """The block of this run's new vectors (none when there are none), and its files' records."""
     if not len(ids):
         return [], {}
@@ -548,11 +594,11 @@ def _commit_full(run: _Run, staging: GenerationPaths, name: str, changes: Change
             blocks = [name] if readable else []
             with BlockWriter(run.layout, name, len(readable), encoder.embedding_dim, dtype) as writer:
                 for start in range(0, len(readable), RECORD_CHUNK):
-                    chunk = readable[start:start + RECORD_CHUNK]
+                    chunk = readable[start : start + RECORD_CHUNK]
                     stored = store.add_items(_records(run, chunk, next_id + start))
                     labels = _label_counts(labels, stored, [])
                     duplicates += sum(r["duplicate_of"] is not None for r in stored)
-                    writer.extend(ids[start:start + len(chunk)], run.shards.vectors([e.path for e in chunk]))
+                    writer.extend(ids[start : start + len(chunk)], run.shards.vectors([e.path for e in chunk]))
             store.replace_skipped(run.plan.skipped)
             final_next_id = store.next_id()
             store.sync()
@@ -562,20 +608,44 @@ def _commit_full(run: _Run, staging: GenerationPaths, name: str, changes: Change
     with run.clock.phase("checksums"):
         files = integrity.record_files(staging, integrity.encoder_record(staging, encoder.sha256))
         block_files = integrity.record_blocks(run.layout, blocks, writer.records)
-    return GenerationDraft(name, built, count=len(ids), next_id=final_next_id, duplicates=duplicates,
-                           labels=labels, blocks=blocks, dtype=dtype, base_count=len(ids),
-                           base_next_id=final_next_id, base_generation=name, files=files, block_files=block_files)
+    return GenerationDraft(
+        name,
+        built,
+        count=len(ids),
+        next_id=final_next_id,
+        duplicates=duplicates,
+        labels=labels,
+        blocks=blocks,
+        dtype=dtype,
+        base_count=len(ids),
+        base_next_id=final_next_id,
+        base_generation=name,
+        files=files,
+        block_files=block_files,
+    )
 
 
-def _build_faiss(run: _Run, staging: GenerationPaths, choice: faiss_index.IndexChoice, live_ids: np.ndarray,
-                 blocks: list[str], trained=None) -> faiss_index.BuiltIndex:
+def _build_faiss(
+    run: _Run,
+    staging: GenerationPaths,
+    choice: faiss_index.IndexChoice,
+    live_ids: np.ndarray,
+    blocks: list[str],
+    trained=None,
+) -> faiss_index.BuiltIndex:
     """Train (unless ``trained``), fill, tune and write the base index of ``staging`` from ``blocks``."""
     layout, encoder = run.layout, run.encoder
     vectors = BlockVectors(layout, blocks) if Factory.parse(choice.factory).pq_codes else None
-    built = faiss_index.build_index(choice.factory, encoder.embedding_dim, len(live_ids),
-                                    live_blocks(layout, blocks, live_ids), target_recall=run.cfg.target_recall,
-                                    on_disk=staging.lists if choice.on_disk else None, trained=trained,
-                                    vectors=vectors)
+    built = faiss_index.build_index(
+        choice.factory,
+        encoder.embedding_dim,
+        len(live_ids),
+        live_blocks(layout, blocks, live_ids),
+        target_recall=run.cfg.target_recall,
+        on_disk=staging.lists if choice.on_disk else None,
+        trained=trained,
+        vectors=vectors,
+    )
     with output_errors(staging.index):
         faiss_index.write_index(built.index, str(staging.index))
         if built.trained is not None:
@@ -611,26 +681,50 @@ def _commit_update(run: _Run, staging: GenerationPaths, name: str, changes: Chan
         new_blocks, new_block_files = _write_block(run, name, ids, vectors, dtype)
         blocks += new_blocks
     with run.clock.phase("index"):
-        delta_count, removed_count = update.update_faiss(prev, staging, base, ids, vectors,
-                                                         np.asarray(old_ids, dtype=np.int64))
+        delta_count, removed_count = update.update_faiss(
+            prev, staging, base, ids, vectors, np.asarray(old_ids, dtype=np.int64)
+        )
         _copy_encoder(run, staging)
     with run.clock.phase("checksums"):
         # the base is shared with the predecessor by hard links: its records carry over unread (an update costs
         # what changed); the delta layer this run wrote is hashed
-        files = integrity.record_files(staging, {**integrity.carried(base),
-                                                 **integrity.encoder_record(staging, run.encoder.sha256)})
+        files = integrity.record_files(
+            staging, {**integrity.carried(base), **integrity.encoder_record(staging, run.encoder.sha256)}
+        )
         block_files = integrity.record_blocks(layout, blocks, {**base.block_files, **new_block_files})
     count = base.count + len(ids) - len(old_ids)
     if base.base_count - removed_count + delta_count != count:
-        raise ArtifactError(f"{layout.root}: the update of {run.previous} would hold {count} items but its FAISS "
-                            "parts do not; rebuild with `moco index --rebuild`")
-    built = faiss_index.BuiltIndex(index=None, factory=base.factory, search_params=base.search_params,
-                                   recall_at_10=base.recall_at_10, exact=base.exact, trained_on=base.trained_on,
-                                   on_gpu=base.built_on_gpu, on_disk=base.on_disk)
-    return GenerationDraft(name, built, count=count, next_id=final_next_id, duplicates=duplicates, labels=labels,
-                           blocks=blocks, dtype=dtype, base_count=base.base_count, base_next_id=base.base_next_id,
-                           base_generation=base.base_generation or base.generation, files=files,
-                           block_files=block_files, delta_count=delta_count, removed_count=removed_count)
+        raise ArtifactError(
+            f"{layout.root}: the update of {run.previous} would hold {count} items but its FAISS "
+            "parts do not; rebuild with `moco index --rebuild`"
+        )
+    built = faiss_index.BuiltIndex(
+        index=None,
+        factory=base.factory,
+        search_params=base.search_params,
+        recall_at_10=base.recall_at_10,
+        exact=base.exact,
+        trained_on=base.trained_on,
+        on_gpu=base.built_on_gpu,
+        on_disk=base.on_disk,
+    )
+    return GenerationDraft(
+        name,
+        built,
+        count=count,
+        next_id=final_next_id,
+        duplicates=duplicates,
+        labels=labels,
+        blocks=blocks,
+        dtype=dtype,
+        base_count=base.base_count,
+        base_next_id=base.base_next_id,
+        base_generation=base.base_generation or base.generation,
+        files=files,
+        block_files=block_files,
+        delta_count=delta_count,
+        removed_count=removed_count,
+    )
 
 
 def _label_counts(labels: dict, added: list[dict], removed: list[dict]) -> dict:
@@ -673,8 +767,9 @@ def _commit_compaction(run: _Run, source: str, staging: GenerationPaths, name: s
     with run.clock.phase("compact_metadata"):
         # everything the new base is rebuilt from, hashed first: a compaction over a damaged vector block
         # published garbage measured at "recall@10 1.0" (the recall check reads the same blocks)
-        integrity.check_files(layout, source, manifest, hashed=integrity.COMPACTION_READS, blocks=True,
-                              hashed_blocks=True)
+        integrity.check_files(
+            layout, source, manifest, hashed=integrity.COMPACTION_READS, blocks=True, hashed_blocks=True
+        )
         with output_errors(staging.meta):
             if src.delta_meta.is_dir():
                 materialize(src.meta, src.delta_meta, staging.meta)
@@ -697,13 +792,26 @@ def _commit_compaction(run: _Run, source: str, staging: GenerationPaths, name: s
         _copy_encoder(run, staging)
     files = integrity.record_files(staging, {**linked, **integrity.encoder_record(staging, encoder.sha256)})
     block_files = integrity.record_blocks(layout, blocks, {**manifest.block_files, **new_block_files})
-    return GenerationDraft(name, built, count=len(live_ids), next_id=manifest.next_id,
-                           duplicates=manifest.duplicates, labels=manifest.labels, blocks=blocks, dtype=dtype,
-                           base_count=len(live_ids), base_next_id=manifest.next_id, base_generation=name,
-                           files=files, block_files=block_files, created_at=manifest.created_at)
+    return GenerationDraft(
+        name,
+        built,
+        count=len(live_ids),
+        next_id=manifest.next_id,
+        duplicates=manifest.duplicates,
+        labels=manifest.labels,
+        blocks=blocks,
+        dtype=dtype,
+        base_count=len(live_ids),
+        base_next_id=manifest.next_id,
+        base_generation=name,
+        files=files,
+        block_files=block_files,
+        created_at=manifest.created_at,
+    )
 
 
 # --- 4. publish ----------------------------------------------------------------------------------------------
+
 
 def _manifest(run: _Run, draft: GenerationDraft, changes: Changes) -> IndexManifest:
     """The manifest of ``draft``: what the commit strategy made, and what the run knows (its model, folder,
@@ -711,24 +819,49 @@ def _manifest(run: _Run, draft: GenerationDraft, changes: Changes) -> IndexManif
     cfg, encoder, base, built = run.cfg, run.encoder, run.base, draft.built
     now = utc_now()
     return IndexManifest(
-        generation=draft.name, created_at=draft.created_at or (base.created_at if base else now), updated_at=now,
-        model_sha256=encoder.sha256, model=model_summary(encoder.metadata), embedding_dim=encoder.embedding_dim,
-        index_type=cfg.index_type, factory=built.factory, search_params=built.search_params,
-        recall_at_10=built.recall_at_10, exact=built.exact, trained_on=built.trained_on, built_on_gpu=built.on_gpu,
-        count=int(draft.count), next_id=int(draft.next_id), duplicates=int(draft.duplicates),
-        skipped=len(run.plan.skipped), labels=draft.labels, image_root=str(run.image_root),
-        labels_csv=str(Path(cfg.labels_csv).absolute()) if cfg.labels_csv else None, vector_blocks=draft.blocks,
-        block_dtype=np.dtype(draft.dtype).name, on_disk=built.on_disk, base_count=int(draft.base_count),
-        base_next_id=int(draft.base_next_id), delta_count=int(draft.delta_count),
-        removed_count=int(draft.removed_count), base_generation=draft.base_generation,
-        last_update={"added": changes.added, "updated": changes.updated, "removed": changes.removed,
-                     "unchanged": run.plan.unchanged},
-        library_versions=_library_versions(), files=draft.files, block_files=draft.block_files,
+        generation=draft.name,
+        created_at=draft.created_at or (base.created_at if base else now),
+        updated_at=now,
+        model_sha256=encoder.sha256,
+        model=model_summary(encoder.metadata),
+        embedding_dim=encoder.embedding_dim,
+        index_type=cfg.index_type,
+        factory=built.factory,
+        search_params=built.search_params,
+        recall_at_10=built.recall_at_10,
+        exact=built.exact,
+        trained_on=built.trained_on,
+        built_on_gpu=built.on_gpu,
+        count=int(draft.count),
+        next_id=int(draft.next_id),
+        duplicates=int(draft.duplicates),
+        skipped=len(run.plan.skipped),
+        labels=draft.labels,
+        image_root=str(run.image_root),
+        labels_csv=str(Path(cfg.labels_csv).absolute()) if cfg.labels_csv else None,
+        vector_blocks=draft.blocks,
+        block_dtype=np.dtype(draft.dtype).name,
+        on_disk=built.on_disk,
+        base_count=int(draft.base_count),
+        base_next_id=int(draft.base_next_id),
+        delta_count=int(draft.delta_count),
+        removed_count=int(draft.removed_count),
+        base_generation=draft.base_generation,
+        last_update={
+            "added": changes.added,
+            "updated": changes.updated,
+            "removed": changes.removed,
+            "unchanged": run.plan.unchanged,
+        },
+        library_versions=_library_versions(),
+        files=draft.files,
+        block_files=draft.block_files,
     )
 
 
-def _publish(run: _Run, staging: GenerationPaths, draft: GenerationDraft, changes: Changes,
-             previous: str | None) -> IndexManifest:
+def _publish(
+    run: _Run, staging: GenerationPaths, draft: GenerationDraft, changes: Changes, previous: str | None
+) -> IndexManifest:
     """Write the manifest of ``draft``, open the generation as a server will, and make it the live one."""
     manifest = _manifest(run, draft, changes)
     with run.clock.phase("publish"):
@@ -738,21 +871,39 @@ def _publish(run: _Run, staging: GenerationPaths, draft: GenerationDraft, change
     return manifest
 
 
-def _result(run: _Run, mode: str, manifest: IndexManifest | None = None, changes: Changes | None = None,
-            published: bool = False) -> IndexResult:
+def _result(
+    run: _Run, mode: str, manifest: IndexManifest | None = None, changes: Changes | None = None, published: bool = False
+) -> IndexResult:
     """What the run did, as the report and the CLI give it: ``manifest`` is the generation live afterwards
     (None for a rank > 0, which only embeds)."""
     changes = changes or Changes([], 0, 0, 0, [])
     m = manifest
     return IndexResult(
-        index_dir=str(run.layout.root), generation=m.generation if m else (run.previous or ""), published=published,
-        count=m.count if m else 0, added=changes.added, updated=changes.updated, removed=changes.removed,
-        unchanged=run.plan.unchanged if m else 0, duplicates=m.duplicates if m else 0, embedded=run.embedded,
-        resumed=run.resumed, skipped=changes.skipped, factory=m.factory if m else "",
-        recall_at_10=m.recall_at_10 if m else None, search_params=m.search_params if m else {},
-        timings=run.clock.report(), report_path=str(run.layout.report), mode=mode, rank=run.world.rank,
-        world_size=run.world.world_size, delta_count=m.delta_count if m else 0,
-        removed_count=m.removed_count if m else 0, not_images=run.not_images, reattached=run.reattached)
+        index_dir=str(run.layout.root),
+        generation=m.generation if m else (run.previous or ""),
+        published=published,
+        count=m.count if m else 0,
+        added=changes.added,
+        updated=changes.updated,
+        removed=changes.removed,
+        unchanged=run.plan.unchanged if m else 0,
+        duplicates=m.duplicates if m else 0,
+        embedded=run.embedded,
+        resumed=run.resumed,
+        skipped=changes.skipped,
+        factory=m.factory if m else "",
+        recall_at_10=m.recall_at_10 if m else None,
+        search_params=m.search_params if m else {},
+        timings=run.clock.report(),
+        report_path=str(run.layout.report),
+        mode=mode,
+        rank=run.world.rank,
+        world_size=run.world.world_size,
+        delta_count=m.delta_count if m else 0,
+        removed_count=m.removed_count if m else 0,
+        not_images=run.not_images,
+        reattached=run.reattached,
+    )
 
 
 def _write_report(run: _Run, result: IndexResult) -> None:
@@ -791,12 +942,12 @@ def _copy_encoder(run: _Run, staging: GenerationPaths) -> None:
         if file_sha256(copy) == sha256:
             link_or_copy_atomic(copy, staging.encoder)
             return
-        LOG.warning("%s is not the model it was copied from (damaged or missing); copying %s instead",
-                    copy, run.encoder.path)
+        LOG.warning(
+            "%s is not the model it was copied from (damaged or missing); copying %s instead", copy, run.encoder.path
+        )
     copy_atomic(run.encoder.path, staging.encoder)
     if file_sha256(staging.encoder) != sha256:
-        raise ArtifactError(f"{run.encoder.path} changed while this run embedded with it; run the same command "
-                            "again")
+        raise ArtifactError(f"{run.encoder.path} changed while this run embedded with it; run the same command again")
 
 
 def _library_versions() -> dict:
@@ -804,5 +955,9 @@ def _library_versions() -> dict:
     import lmdb
     import onnxruntime
 
-    return {"faiss": faiss.__version__, "lmdb": lmdb.__version__, "onnxruntime": onnxruntime.__version__,
-            "numpy": np.__version__}
+    return {
+        "faiss": faiss.__version__,
+        "lmdb": lmdb.__version__,
+        "onnxruntime": onnxruntime.__version__,
+        "numpy": np.__version__,
+    }

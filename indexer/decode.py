@@ -7,6 +7,7 @@ the server's preprocessing exactly, so index and query embed alike.
 Workers never hold an ONNX Runtime session; they return uint8 ``[H, W, 3]`` arrays to the parent, which
 batches them for the encoder. Unreadable files come back with a one-line reason instead of pixels.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -69,8 +70,9 @@ def _context():
     return multiprocessing.get_context("spawn")
 
 
-def decode_files(root: Path, paths: list[str], image_size: int, resize: str, workers: int,
-                 chunksize: int = 8) -> Iterator[Decoded]:
+def decode_files(
+    root: Path, paths: list[str], image_size: int, resize: str, workers: int, chunksize: int = 8
+) -> Iterator[Decoded]:
     """Decode ``root / path`` for each path, yielding results in input order.
 
     Args:

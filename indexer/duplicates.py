@@ -6,6 +6,7 @@ union-find joins them into groups. Cost: N searches of depth k, never the N² pa
 crops and resizes of one photo fall together even when a group is larger than ``k`` (its members link in
 chains). Exact copies also share a sha256 in the metadata; this finds what bytes cannot.
 """
+
 from __future__ import annotations
 
 import logging
@@ -37,8 +38,13 @@ def _find(parent: dict, a: int) -> int:
     return root
 
 
-def duplicate_groups(index, threshold: float, k: int = DUPLICATE_K, batch: int = BATCH,
-                     progress: Callable[[int, int], None] | None = None) -> list[DuplicateGroup]:
+def duplicate_groups(
+    index,
+    threshold: float,
+    k: int = DUPLICATE_K,
+    batch: int = BATCH,
+    progress: Callable[[int, int], None] | None = None,
+) -> list[DuplicateGroup]:
     """Groups of items scoring at least ``threshold`` with one another, largest first.
 
     Args:
@@ -53,7 +59,7 @@ def duplicate_groups(index, threshold: float, k: int = DUPLICATE_K, batch: int =
     parent: dict[int, int] = {}
     pairs: dict[tuple[int, int], float] = {}
     for start in range(0, len(ids), batch):
-        chunk = ids[start:start + batch]
+        chunk = ids[start : start + batch]
         xq = _vectors(index, chunk)
         D, I = index.search(xq, min(k + 1, max(1, index.ntotal)))
         for a, d_row, i_row in zip(chunk, D, I):
@@ -92,8 +98,7 @@ def _vectors(index, ids: np.ndarray) -> np.ndarray:
     return np.stack([index.reconstruct(int(i)) for i in ids]).astype(np.float32)
 
 
-def iter_group_rows(groups: list[DuplicateGroup], records: Callable[[list[int]], list[dict | None]]
-                    ) -> Iterator[dict]:
+def iter_group_rows(groups: list[DuplicateGroup], records: Callable[[list[int]], list[dict | None]]) -> Iterator[dict]:
     """One row per member: ``group`` (1-based), ``id``, ``path``, ``score`` (its best score within the group)."""
     for number, group in enumerate(groups, 1):
         best: dict[int, float] = {}

@@ -8,6 +8,7 @@ resize (:mod:`indexer.decode`), this process batches the pixels through the ONNX
 benchmark (``bench/index_scale.py``) passes one that makes synthetic vectors instead, and everything after
 the encoder runs as it does for images.
 """
+
 from __future__ import annotations
 
 import logging
@@ -54,13 +55,26 @@ class FolderEmbedder:
         encoder = self.encoder
         pending = [e for e in entries if shards.lookup(e.path, e.bytes, e.mtime_ns) is None]
         resumed = len(entries) - len(pending)
-        stats = {"embedded": len(pending), "resumed": resumed, "embed": 0.0, "decode_wait": 0.0, "encoder": 0.0,
-                 "decode_cpu": 0.0}
+        stats = {
+            "embedded": len(pending),
+            "resumed": resumed,
+            "embed": 0.0,
+            "decode_wait": 0.0,
+            "encoder": 0.0,
+            "decode_cpu": 0.0,
+        }
         if not pending:
             return stats
         by_path = {e.path: e for e in pending}
-        bar = tqdm(total=len(entries), initial=resumed, unit="img", desc="embedding", disable=not progress,
-                   dynamic_ncols=True, smoothing=0.1)
+        bar = tqdm(
+            total=len(entries),
+            initial=resumed,
+            unit="img",
+            desc="embedding",
+            disable=not progress,
+            dynamic_ncols=True,
+            smoothing=0.1,
+        )
         batch: list = []
 
         def run_batch() -> None:
@@ -73,8 +87,9 @@ class FolderEmbedder:
             batch.clear()
 
         tic_all = time.perf_counter()
-        stream = decode_files(self.image_root, [e.path for e in pending], encoder.image_size, encoder.resize,
-                              self.workers)
+        stream = decode_files(
+            self.image_root, [e.path for e in pending], encoder.image_size, encoder.resize, self.workers
+        )
         try:
             while True:
                 tic = time.perf_counter()
@@ -105,5 +120,13 @@ class FolderEmbedder:
 
 def shard_entry(e: FoundFile, d) -> dict:
     """The shard entry of one decoded (or failed) file."""
-    return {"path": e.path, "stat_bytes": e.bytes, "mtime_ns": e.mtime_ns, "sha256": d.sha256, "width": d.width,
-            "height": d.height, "bytes": d.bytes, "error": d.error}
+    return {
+        "path": e.path,
+        "stat_bytes": e.bytes,
+        "mtime_ns": e.mtime_ns,
+        "sha256": d.sha256,
+        "width": d.width,
+        "height": d.height,
+        "bytes": d.bytes,
+        "error": d.error,
+    }

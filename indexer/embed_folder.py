@@ -6,6 +6,7 @@ files in path order), then the work folder is deleted. So it is resumable as ``m
 point, the identical command goes on from the last finished shard (or, when only the Parquet file was left to
 write, embeds nothing). A work folder made with another model or folder is started over.
 """
+
 from __future__ import annotations
 
 import logging

@@ -16,6 +16,7 @@ columns to ``FILE.parquet``, row ``i`` of one the item of row ``i`` of the other
 Rows are streamed a vector block at a time (``ROW_GROUP`` rows per Parquet row group), so the corpus never sits
 in memory; both files appear under their final names only when complete (:mod:`contracts.atomic`).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -53,9 +54,15 @@ class EmbeddingsFile:
 def _schema(dim: int, with_vector: bool):
     import pyarrow as pa
 
-    fields = [pa.field("id", pa.int64(), nullable=False), pa.field("path", pa.string(), nullable=False),
-              pa.field("path_bytes", pa.binary()), pa.field("label", pa.string()),
-              pa.field("width", pa.int32()), pa.field("height", pa.int32()), pa.field("sha256", pa.string())]
+    fields = [
+        pa.field("id", pa.int64(), nullable=False),
+        pa.field("path", pa.string(), nullable=False),
+        pa.field("path_bytes", pa.binary()),
+        pa.field("label", pa.string()),
+        pa.field("width", pa.int32()),
+        pa.field("height", pa.int32()),
+        pa.field("sha256", pa.string()),
+    ]
     if with_vector:
         fields.append(pa.field("vector", pa.list_(pa.float32(), dim), nullable=False))
     return pa.schema(fields)
@@ -109,8 +116,13 @@ def _row_groups(directory: IndexDirectory, rows: int = ROW_GROUP):
         yield np.concatenate(buffer_ids), np.concatenate(buffer_x)
 
 
-def write_embeddings(index_dir: str | os.PathLike, out: str | os.PathLike, npy: bool = False,
-                     row_group: int = ROW_GROUP, progress: bool = False) -> EmbeddingsFile:
+def write_embeddings(
+    index_dir: str | os.PathLike,
+    out: str | os.PathLike,
+    npy: bool = False,
+    row_group: int = ROW_GROUP,
+    progress: bool = False,
+) -> EmbeddingsFile:
     """Write the live items of ``index_dir`` to ``out`` (see the module docstring).
 
     Args:
@@ -131,12 +143,15 @@ def write_embeddings(index_dir: str | os.PathLike, out: str | os.PathLike, npy: 
         npy_path = out.with_suffix(".npy") if npy else None
         schema = _schema(dim, with_vector=not npy)
         written = 0
-        with atomic_path(parquet_path, "pass --out with a writable path") as tmp_parquet, \
-                (atomic_write(npy_path) if npy else contextlib.nullcontext()) as vectors_file:
+        with (
+            atomic_path(parquet_path, "pass --out with a writable path") as tmp_parquet,
+            atomic_write(npy_path) if npy else contextlib.nullcontext() as vectors_file,
+        ):
             bar = tqdm(total=count, desc="writing embeddings", unit="item", disable=not progress, dynamic_ncols=True)
             if vectors_file is not None:  # header first: the row count is known, rows are appended as they come
-                np.lib.format.write_array_header_2_0(vectors_file, {"descr": "<f4", "fortran_order": False,
-                                                                    "shape": (count, dim)})
+                np.lib.format.write_array_header_2_0(
+                    vectors_file, {"descr": "<f4", "fortran_order": False, "shape": (count, dim)}
+                )
             with pq.ParquetWriter(tmp_parquet, schema) as writer:
                 for ids, xb in _row_groups(directory, row_group):
                     records = directory.records(ids)
@@ -147,12 +162,19 @@ def write_embeddings(index_dir: str | os.PathLike, out: str | os.PathLike, npy: 
                     bar.update(len(ids))
             bar.close()
             if written != count:
-                raise ArtifactError(f"{index_dir} holds {written} live vectors but its manifest counts {count}; "
-                                    "rebuild with `moco index --rebuild`")
+                raise ArtifactError(
+                    f"{index_dir} holds {written} live vectors but its manifest counts {count}; "
+                    "rebuild with `moco index --rebuild`"
+                )
         generation = directory.generation
     paths = (parquet_path,) if npy_path is None else (npy_path, parquet_path)
     seconds = time.perf_counter() - tic
-    LOG.info("wrote %d items (%d-d) of generation %s to %s in %.1f s", written, dim, generation,
-             ", ".join(map(str, paths)), seconds)
+    LOG.info(
+        "wrote %d items (%d-d) of generation %s to %s in %.1f s",
+        written,
+        dim,
+        generation,
+        ", ".join(map(str, paths)),
+        seconds,
+    )
     return EmbeddingsFile(paths, written, dim, generation, seconds)
-

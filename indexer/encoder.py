@@ -7,6 +7,7 @@ the /255 and mean/std normalization itself.
 
 Imports numpy, Pillow, onnx and onnxruntime only (never torch).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -44,8 +45,9 @@ def _load_model_proto(source: Path | bytes, where: str):
             return onnx.load_from_string(source)
         return onnx.load(str(source), load_external_data=False)
     except Exception as exc:  # protobuf raises DecodeError, RuntimeWarning-derived and OSError variants
-        raise ArtifactError(f"{where} is not a readable ONNX file ({type(exc).__name__}); "
-                            "pass an encoder.onnx from `moco export`") from exc
+        raise ArtifactError(
+            f"{where} is not a readable ONNX file ({type(exc).__name__}); pass an encoder.onnx from `moco export`"
+        ) from exc
 
 
 def _check_file(path: Path) -> None:
@@ -55,8 +57,7 @@ def _check_file(path: Path) -> None:
         raise ArtifactError(f"encoder path is not a file: {path}")
 
 
-def _check_graph_shapes(path: Path, input_shape: list, output_shape: list, image_size: int,
-                        embedding_dim: int) -> None:
+def _check_graph_shapes(path: Path, input_shape: list, output_shape: list, image_size: int, embedding_dim: int) -> None:
     """Refuse a graph whose fixed dimensions disagree with the size and dimension its metadata declares (such a
     file answered every search with a 500). Symbolic dimensions (the batch) are not checked.
 
@@ -67,8 +68,10 @@ def _check_graph_shapes(path: Path, input_shape: list, output_shape: list, image
     for what, shape, want in (("input", input_shape, want_in), ("output", output_shape, want_out)):
         fixed = [(got, w) for got, w in zip(shape or [], want) if isinstance(got, int) and isinstance(w, int)]
         if (shape and len(shape) != len(want)) or any(got != w for got, w in fixed):
-            raise ArtifactError(f"{path}'s graph {what} has shape {list(shape)} but its metadata declares "
-                                f"{want}; export it again with `moco export`")
+            raise ArtifactError(
+                f"{path}'s graph {what} has shape {list(shape)} but its metadata declares "
+                f"{want}; export it again with `moco export`"
+            )
 
 
 def read_encoder_metadata(path: str | os.PathLike) -> dict:
@@ -128,8 +131,7 @@ def _preload_cuda_libraries() -> None:
         LOG.debug("onnxruntime.preload_dlls: %s", " ".join(printed.getvalue().split()))
 
 
-def open_session(model: str | os.PathLike | bytes, device: str = "auto", threads: int | None = None,
-                 spin: bool = True):
+def open_session(model: str | os.PathLike | bytes, device: str = "auto", threads: int | None = None, spin: bool = True):
     """An ONNX Runtime session on the GPU when one really works, else on the CPU.
 
     ``auto`` tries the CUDA execution provider when this onnxruntime build has it and keeps it only if the
@@ -162,9 +164,11 @@ def open_session(model: str | os.PathLike | bytes, device: str = "auto", threads
             if quiet:  # hack: the provider loader logs through the global logger, not the session's
                 ort.set_default_logger_severity(4)
             try:
-                session = ort.InferenceSession(model_arg, _session_options(cpu_threads, quiet, spin),
-                                               providers=[("CUDAExecutionProvider", {"device_id": device_id}),
-                                                          "CPUExecutionProvider"])
+                session = ort.InferenceSession(
+                    model_arg,
+                    _session_options(cpu_threads, quiet, spin),
+                    providers=[("CUDAExecutionProvider", {"device_id": device_id}), "CPUExecutionProvider"],
+                )
                 if session.get_providers()[0] == "CUDAExecutionProvider":
                     return session, "CUDAExecutionProvider"
                 reason = "the CUDA execution provider could not start (no usable GPU, driver or CUDA libraries)"
@@ -176,8 +180,9 @@ def open_session(model: str | os.PathLike | bytes, device: str = "auto", threads
         if device == "cuda":
             raise ConfigError(f"--device cuda: {reason}; use --device cpu or auto")
         LOG.debug("encoder on CPU: %s", reason)
-    session = ort.InferenceSession(model_arg, _session_options(cpu_threads, False, spin),
-                                   providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(
+        model_arg, _session_options(cpu_threads, False, spin), providers=["CPUExecutionProvider"]
+    )
     return session, "CPUExecutionProvider"
 
 
@@ -190,8 +195,7 @@ class OnnxEncoder:
         provider: ``"CUDAExecutionProvider"`` or ``"CPUExecutionProvider"``.
     """
 
-    def __init__(self, path: str | os.PathLike, device: str = "auto", threads: int | None = None,
-                 spin: bool = True):
+    def __init__(self, path: str | os.PathLike, device: str = "auto", threads: int | None = None, spin: bool = True):
         """Open ``path`` on ``device`` (auto, cpu, cuda or cuda:N) with ``threads`` CPU threads (default: cores),
         spin-waiting between runs when ``spin`` (see :func:`open_session`).
 
@@ -213,20 +217,37 @@ class OnnxEncoder:
         except MocoError:
             raise
         except Exception as exc:  # onnxruntime's Fail, InvalidGraph ...: a graph it cannot run (no common base)
-            raise ArtifactError(f"{self.path} cannot be loaded by ONNX Runtime ({str(exc).splitlines()[0][:200]}); "
-                                "export it again with `moco export`") from exc
+            raise ArtifactError(
+                f"{self.path} cannot be loaded by ONNX Runtime ({str(exc).splitlines()[0][:200]}); "
+                "export it again with `moco export`"
+            ) from exc
         inputs, outputs = self.session.get_inputs(), self.session.get_outputs()
         if [i.name for i in inputs] != [INPUT_NAME] or OUTPUT_NAME not in [o.name for o in outputs]:
-            raise ArtifactError(f"{self.path} does not have the encoder's '{INPUT_NAME}' -> '{OUTPUT_NAME}' "
-                                "signature; export it again with `moco export`")
-        _check_graph_shapes(self.path, inputs[0].shape, next(o for o in outputs if o.name == OUTPUT_NAME).shape,
-                            self.image_size, self.embedding_dim)
-        LOG.info("encoder %s: %s, %d px, %d-d, on %s", self.path.name, self.metadata["arch"], self.image_size,
-                 self.embedding_dim, self.provider)
+            raise ArtifactError(
+                f"{self.path} does not have the encoder's '{INPUT_NAME}' -> '{OUTPUT_NAME}' "
+                "signature; export it again with `moco export`"
+            )
+        _check_graph_shapes(
+            self.path,
+            inputs[0].shape,
+            next(o for o in outputs if o.name == OUTPUT_NAME).shape,
+            self.image_size,
+            self.embedding_dim,
+        )
+        LOG.info(
+            "encoder %s: %s, %d px, %d-d, on %s",
+            self.path.name,
+            self.metadata["arch"],
+            self.image_size,
+            self.embedding_dim,
+            self.provider,
+        )
 
     def __repr__(self) -> str:
-        return (f"OnnxEncoder({str(self.path)!r}, arch={self.metadata['arch']}, image_size={self.image_size}, "
-                f"embedding_dim={self.embedding_dim}, provider={self.provider})")
+        return (
+            f"OnnxEncoder({str(self.path)!r}, arch={self.metadata['arch']}, image_size={self.image_size}, "
+            f"embedding_dim={self.embedding_dim}, provider={self.provider})"
+        )
 
     def preprocess(self, image: Image.Image | str | os.PathLike | bytes) -> np.ndarray:
         """One image (PIL, path or bytes) as uint8 ``[H, W, 3]`` per this model's metadata."""
@@ -248,14 +269,19 @@ class OnnxEncoder:
         """
         size = self.image_size
         if not isinstance(batch, np.ndarray):
-            raise DataError(f"encoder input must be a numpy uint8 array [N, {size}, {size}, 3], "
-                            f"got {type(batch).__name__}")
+            raise DataError(
+                f"encoder input must be a numpy uint8 array [N, {size}, {size}, 3], got {type(batch).__name__}"
+            )
         if batch.dtype != np.uint8:
-            raise DataError(f"encoder input must be uint8 pixels [N, {size}, {size}, 3], got dtype {batch.dtype}; "
-                            "use preprocess() or preprocess_image() to make it")
+            raise DataError(
+                f"encoder input must be uint8 pixels [N, {size}, {size}, 3], got dtype {batch.dtype}; "
+                "use preprocess() or preprocess_image() to make it"
+            )
         if batch.ndim != 4 or batch.shape[1:] != (size, size, 3):
-            raise DataError(f"encoder input must have shape [N, {size}, {size}, 3], got {list(batch.shape)}; "
-                            "use preprocess() or preprocess_image() to make it")
+            raise DataError(
+                f"encoder input must have shape [N, {size}, {size}, 3], got {list(batch.shape)}; "
+                "use preprocess() or preprocess_image() to make it"
+            )
         if batch.shape[0] == 0:
             return np.zeros((0, self.embedding_dim), dtype=np.float32)
         (xb,) = self.session.run([OUTPUT_NAME], {INPUT_NAME: np.ascontiguousarray(batch)})
@@ -268,6 +294,9 @@ class OnnxEncoder:
             DataError: an item that does not decode (the message names it).
         """
         size = self.image_size
-        batch = np.stack([self.preprocess(image) for image in images]) if images else np.zeros(
-            (0, size, size, 3), dtype=np.uint8)
+        batch = (
+            np.stack([self.preprocess(image) for image in images])
+            if images
+            else np.zeros((0, size, size, 3), dtype=np.uint8)
+        )
         return self.embed(batch)

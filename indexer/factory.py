@@ -6,6 +6,7 @@ encoding of the vectors, and a refinement. Substring tests on the whole string a
 "OPQ16_64,IVF1024,Flat"`` is true, yet that index stores float32 codes), so every question is asked of the
 parsed components instead, as FAISS's own ``contrib/factory_tools.py`` does.
 """
+
 from __future__ import annotations
 
 import re

@@ -13,6 +13,7 @@ Guards (each falls back to the CPU index, with a logged reason):
 The stored index is always the CPU one (``index_gpu_to_cpu`` after a GPU build), so every machine can read it.
 ``gpu_count`` and the cloners are parameters, so the guards are tested with the CPU build.
 """
+
 from __future__ import annotations
 
 import logging
@@ -37,8 +38,9 @@ def gpu_count() -> int:
         return 0
 
 
-def clone_for_build(index: faiss.Index, gpus: int | None = None, cloner: Callable | None = None
-                    ) -> tuple[faiss.Index, bool]:
+def clone_for_build(
+    index: faiss.Index, gpus: int | None = None, cloner: Callable | None = None
+) -> tuple[faiss.Index, bool]:
     """``(index on GPU 0, True)`` for IVF training and adding, or ``(index, False)`` where that cannot be."""
     if (gpu_count() if gpus is None else gpus) <= 0:
         return index, False
@@ -95,8 +97,14 @@ class GpuCopy:
         return self.index.search(xq, k)
 
 
-def gpu_copy_for_search(index: faiss.Index, params: dict, mode: str = "auto", on_disk: bool = False,
-                        gpus: int | None = None, cloner: Callable | None = None) -> GpuCopy | None:
+def gpu_copy_for_search(
+    index: faiss.Index,
+    params: dict,
+    mode: str = "auto",
+    on_disk: bool = False,
+    gpus: int | None = None,
+    cloner: Callable | None = None,
+) -> GpuCopy | None:
     """A :class:`GpuCopy` of ``index`` per ``mode`` (auto, none, one, all), or ``None`` for CPU search.
 
     Args:
@@ -139,5 +147,13 @@ def gpu_copy_for_search(index: faiss.Index, params: dict, mode: str = "auto", on
     return GpuCopy(gpu_index, params, n if all_gpus else 1)
 
 
-__all__ = ["GPU_MAX_K", "GPU_MODES", "gpu_count", "clone_for_build", "to_cpu", "search_refusal", "GpuCopy",
-           "gpu_copy_for_search"]
+__all__ = [
+    "GPU_MAX_K",
+    "GPU_MODES",
+    "gpu_count",
+    "clone_for_build",
+    "to_cpu",
+    "search_refusal",
+    "GpuCopy",
+    "gpu_copy_for_search",
+]

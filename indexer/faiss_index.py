@@ -21,6 +21,7 @@ For every approximate index the search parameter (nprobe / efSearch) is raised u
 exact search on a sample of queries reaches ``target_recall``; the final recall is returned for the manifest.
 The trained, still empty IVF index is kept too, so later updates grow a delta with the same lists.
 """
+
 from __future__ import annotations
 
 import logging
@@ -114,8 +115,7 @@ def serving_bytes(factory: str, n: int, d: int) -> int:
     return n * (4 * d + 8)
 
 
-def choose_index(index_type: str, n: int, d: int, memory: int | None = None, budget: int | None = None
-                 ) -> IndexChoice:
+def choose_index(index_type: str, n: int, d: int, memory: int | None = None, budget: int | None = None) -> IndexChoice:
     """The index for ``index_type`` over ``n`` vectors of dimension ``d`` under a memory budget.
 
     Args:
@@ -164,8 +164,10 @@ def _factory(index_type: str, n: int, d: int) -> str:
     try:
         probe = faiss.index_factory(d, index_type, faiss.METRIC_INNER_PRODUCT)
     except RuntimeError as exc:
-        raise ConfigError(f"--index-type {index_type!r} is neither {', '.join(INDEX_TYPES)} nor a FAISS factory "
-                          f"string FAISS accepts ({str(exc).splitlines()[-1]})") from exc
+        raise ConfigError(
+            f"--index-type {index_type!r} is neither {', '.join(INDEX_TYPES)} nor a FAISS factory "
+            f"string FAISS accepts ({str(exc).splitlines()[-1]})"
+        ) from exc
     if faiss.try_extract_index_ivf(probe) is None and not isinstance(probe, (faiss.IndexIDMap, faiss.IndexIDMap2)):
         return f"IDMap2,{index_type}"
     return index_type
@@ -208,8 +210,8 @@ def exact_knn(xq: np.ndarray, blocks: BlockSource, k: int) -> tuple[np.ndarray, 
     I = np.full((nq, k), -1, dtype=np.int64)
     for ids, xb in blocks():
         for start in range(0, len(xb), EXACT_CHUNK):
-            sub_ids = np.asarray(ids[start:start + EXACT_CHUNK])
-            scores = xq @ np.asarray(xb[start:start + EXACT_CHUNK], dtype=np.float32).T  # nq x nb
+            sub_ids = np.asarray(ids[start : start + EXACT_CHUNK])
+            scores = xq @ np.asarray(xb[start : start + EXACT_CHUNK], dtype=np.float32).T  # nq x nb
             allD = np.concatenate([D, scores], axis=1)
             allI = np.concatenate([I, np.broadcast_to(sub_ids, scores.shape)], axis=1)
             top = np.argpartition(-allD, k - 1, axis=1)[:, :k]
@@ -240,17 +242,27 @@ def _set_param(index: faiss.Index, name: str, value: int) -> None:
 def _search_param_ladder(index: faiss.Index) -> tuple[str, list[int]] | None:
     ivf = faiss.try_extract_index_ivf(index)
     if ivf is not None:
-        return "nprobe", sorted({min(ivf.nlist, 2 ** i) for i in range(0, 17)})
+        return "nprobe", sorted({min(ivf.nlist, 2**i) for i in range(0, 17)})
     if hasattr(unwrap(index), "hnsw"):
         return "efSearch", [16, 32, 64, 128, 256, 512, 1024]
     return None
 
 
-def build_index(factory: str, d: int, n: int, blocks: BlockSource, use_gpu: bool | None = None,
-                target_recall: float = TARGET_RECALL, recall_queries: int = RECALL_QUERIES,
-                hnsw_ef_construction: int = 80, on_disk: str | os.PathLike | None = None,
-                trained: faiss.Index | None = None, vectors=None, gpus: int | None = None,
-                cloner=None) -> BuiltIndex:
+def build_index(
+    factory: str,
+    d: int,
+    n: int,
+    blocks: BlockSource,
+    use_gpu: bool | None = None,
+    target_recall: float = TARGET_RECALL,
+    recall_queries: int = RECALL_QUERIES,
+    hnsw_ef_construction: int = 80,
+    on_disk: str | os.PathLike | None = None,
+    trained: faiss.Index | None = None,
+    vectors=None,
+    gpus: int | None = None,
+    cloner=None,
+) -> BuiltIndex:
     """Create, train (on a sample), fill and check the index ``factory`` over the ``n`` vectors of ``blocks``.
 
     Args:
@@ -269,8 +281,11 @@ def build_index(factory: str, d: int, n: int, blocks: BlockSource, use_gpu: bool
         IndexBuildError: FAISS failed, or the blocks do not hold ``n`` rows of dimension ``d``.
     """
     try:
-        index = (faiss.deserialize_index(faiss.serialize_index(trained)) if trained is not None
-                 else faiss.index_factory(d, factory, faiss.METRIC_INNER_PRODUCT))
+        index = (
+            faiss.deserialize_index(faiss.serialize_index(trained))
+            if trained is not None
+            else faiss.index_factory(d, factory, faiss.METRIC_INNER_PRODUCT)
+        )
     except RuntimeError as exc:
         raise IndexBuildError(f"FAISS cannot create {factory!r}: {str(exc).splitlines()[-1]}") from exc
     inner = unwrap(index)
@@ -303,8 +318,9 @@ def build_index(factory: str, d: int, n: int, blocks: BlockSource, use_gpu: bool
             index = _fill_on_disk(index, blocks, n, d, Path(on_disk), use_gpu, gpus, cloner, result)
             result.on_disk = True
         else:
-            work, on_gpu = (faiss_gpu.clone_for_build(index, gpus, cloner) if use_gpu and ivf is not None
-                            else (index, False))
+            work, on_gpu = (
+                faiss_gpu.clone_for_build(index, gpus, cloner) if use_gpu and ivf is not None else (index, False)
+            )
             added = _add_blocks(work, blocks, d)
             if added != n:
                 raise IndexBuildError(f"expected {n} vectors, the blocks held {added}; rerun `moco index`")
@@ -329,8 +345,17 @@ def _add_blocks(index: faiss.Index, blocks: BlockSource, d: int) -> int:
     return added
 
 
-def _fill_on_disk(trained: faiss.Index, blocks: BlockSource, n: int, d: int, lists: Path, use_gpu: bool,
-                  gpus: int, cloner, result: BuiltIndex) -> faiss.Index:
+def _fill_on_disk(
+    trained: faiss.Index,
+    blocks: BlockSource,
+    n: int,
+    d: int,
+    lists: Path,
+    use_gpu: bool,
+    gpus: int,
+    cloner,
+    result: BuiltIndex,
+) -> faiss.Index:
     """Fill copies of the trained index with ``ONDISK_PART_ROWS`` vectors each (in RAM: codes only), write
     each beside ``lists``, then merge their inverted lists into ``lists`` (FAISS's ``merge_ondisk``)."""
     from faiss.contrib.ondisk import merge_ondisk
@@ -377,8 +402,9 @@ def _fill_on_disk(trained: faiss.Index, blocks: BlockSource, n: int, d: int, lis
     return index
 
 
-def _tune(result: BuiltIndex, blocks: BlockSource, n: int, target_recall: float, recall_queries: int,
-          vectors=None) -> None:
+def _tune(
+    result: BuiltIndex, blocks: BlockSource, n: int, target_recall: float, recall_queries: int, vectors=None
+) -> None:
     """Measure recall@10 against exact search; raise nprobe/efSearch until it reaches ``target_recall``.
 
     With ``vectors`` (IVF-PQ), results are re-ranked with them (``refine``) as the server re-ranks them.
@@ -395,9 +421,10 @@ def _tune(result: BuiltIndex, blocks: BlockSource, n: int, target_recall: float,
         return
     name, values = ladder
     best = None  # (recall, params)
-    for refine in (REFINE_LADDER if vectors is not None else (0,)):
-        params, recall = _climb(result.index, name, values, xq, I_ref, k, target_recall,
-                                {"refine": refine} if refine else {}, vectors)
+    for refine in REFINE_LADDER if vectors is not None else (0,):
+        params, recall = _climb(
+            result.index, name, values, xq, I_ref, k, target_recall, {"refine": refine} if refine else {}, vectors
+        )
         if best is None or recall > best[0] + PLATEAU:
             best = (recall, params)
         if recall >= target_recall:
@@ -406,12 +433,27 @@ def _tune(result: BuiltIndex, blocks: BlockSource, n: int, target_recall: float,
     _set_param(result.index, name, params[name])
     result.search_params = params
     result.recall_at_10 = recall
-    LOG.info("%s: recall@%d %.4f at %s over %d queries", result.factory, k, recall,
-             ", ".join(f"{a}={b}" for a, b in result.search_params.items()), len(xq))
+    LOG.info(
+        "%s: recall@%d %.4f at %s over %d queries",
+        result.factory,
+        k,
+        recall,
+        ", ".join(f"{a}={b}" for a, b in result.search_params.items()),
+        len(xq),
+    )
 
 
-def _climb(index: faiss.Index, name: str, values: list[int], xq: np.ndarray, I_ref: np.ndarray, k: int,
-           target_recall: float, extra: dict, vectors) -> tuple[dict, float]:
+def _climb(
+    index: faiss.Index,
+    name: str,
+    values: list[int],
+    xq: np.ndarray,
+    I_ref: np.ndarray,
+    k: int,
+    target_recall: float,
+    extra: dict,
+    vectors,
+) -> tuple[dict, float]:
     """Raise ``name`` along ``values`` until recall@k reaches the target or stops improving (a plateau:
     compressed vectors cap it; the cheaper setting is kept). Returns ``(params, recall)``."""
     previous = None  # (value, recall) of the step before
@@ -438,8 +480,9 @@ def write_index(index: faiss.Index, path: str) -> None:
     try:
         faiss.write_index(index, path)
     except RuntimeError as exc:
-        raise OutputError(f"cannot write {path} ({str(exc).splitlines()[-1].strip()}); "
-                          "check free space and permissions, then rerun") from exc
+        raise OutputError(
+            f"cannot write {path} ({str(exc).splitlines()[-1].strip()}); check free space and permissions, then rerun"
+        ) from exc
 
 
 def read_flags(factory: str, on_disk: bool = False, mmap: bool = True) -> int:
@@ -451,13 +494,16 @@ def read_flags(factory: str, on_disk: bool = False, mmap: bool = True) -> int:
         return faiss.IO_FLAG_ONDISK_SAME_DIR | faiss.IO_FLAG_READ_ONLY
     if not mmap:
         return 0
-    if Factory.parse(factory).is_ivf:  # the two flags do not combine: IVF lists are mapped by IO_FLAG_MMAP's reader hook
+    if Factory.parse(
+        factory
+    ).is_ivf:  # the two flags do not combine: IVF lists are mapped by IO_FLAG_MMAP's reader hook
         return faiss.IO_FLAG_MMAP | faiss.IO_FLAG_READ_ONLY
     return faiss.IO_FLAG_MMAP_IFC | faiss.IO_FLAG_READ_ONLY
 
 
-def read_index(path: str | os.PathLike, factory: str | None = None, on_disk: bool = False,
-               mmap: bool = True) -> faiss.Index:
+def read_index(
+    path: str | os.PathLike, factory: str | None = None, on_disk: bool = False, mmap: bool = True
+) -> faiss.Index:
     """Read a stored index, memory-mapped where its type allows (see :func:`read_flags`).
 
     Raises:
@@ -469,5 +515,6 @@ def read_index(path: str | os.PathLike, factory: str | None = None, on_disk: boo
     try:
         return faiss.read_index(str(path), flags)
     except RuntimeError as exc:
-        raise ArtifactError(f"unreadable FAISS index {path} ({str(exc).splitlines()[-1].strip()}); rebuild with "
-                            "`moco index --rebuild`") from exc
+        raise ArtifactError(
+            f"unreadable FAISS index {path} ({str(exc).splitlines()[-1].strip()}); rebuild with `moco index --rebuild`"
+        ) from exc

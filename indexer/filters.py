@@ -11,6 +11,7 @@ fraction kept, and a filter that keeps at most :data:`EXACT_FILTER_MAX` items is
 stored vectors of those items instead (:meth:`indexer.searcher.LayeredIndex.search`), which costs what the
 filter keeps, not the corpus.
 """
+
 from __future__ import annotations
 
 import math

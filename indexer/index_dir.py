@@ -12,6 +12,7 @@ cache instead of holding its own: ``moco serve --workers N`` costs little more m
 With ``faiss_gpu`` (``auto``, ``one``, ``all``) Flat and IVF bases are also copied to the GPU for search
 (:mod:`indexer.faiss_gpu`).
 """
+
 from __future__ import annotations
 
 import logging
@@ -19,7 +20,6 @@ import os
 from pathlib import Path
 
 import faiss
-import numpy as np
 
 from moco_retrieval.contracts.errors import ArtifactError
 from moco_retrieval.indexer import faiss_gpu
@@ -63,8 +63,10 @@ class IndexDirectory:
         check_files(layout, generation, m, blocks="refine" in m.search_params)
         base = read_index(gen.index, m.factory, on_disk=m.on_disk, mmap=mmap)
         if base.ntotal != m.base_count or base.d != m.embedding_dim:
-            raise ArtifactError(f"{gen.index} holds {base.ntotal} {base.d}-d vectors, its manifest counts "
-                                f"{m.base_count} {m.embedding_dim}-d; rebuild with `moco index --rebuild`")
+            raise ArtifactError(
+                f"{gen.index} holds {base.ntotal} {base.d}-d vectors, its manifest counts "
+                f"{m.base_count} {m.embedding_dim}-d; rebuild with `moco index --rebuild`"
+            )
         delta = read_delta(gen, m, m.factory, mmap=mmap)
         for part in (base, delta):
             if part is not None:
@@ -77,8 +79,10 @@ class IndexDirectory:
         gpu = faiss_gpu.gpu_copy_for_search(base, m.search_params, faiss_gpu_mode, m.on_disk)
         self.index = LayeredIndex(base, delta, removed, m.search_params, vectors=vectors, gpu=gpu)
         if self.index.ntotal != m.count:
-            raise ArtifactError(f"generation {generation} of {self.path} holds {self.index.ntotal} items, its "
-                                f"manifest counts {m.count}; rebuild with `moco index --rebuild`")
+            raise ArtifactError(
+                f"generation {generation} of {self.path} holds {self.index.ntotal} items, its "
+                f"manifest counts {m.count}; rebuild with `moco index --rebuild`"
+            )
         self.encoder_path = gen.encoder
         if not self.encoder_path.is_file():
             raise ArtifactError(f"{self.encoder_path} is missing; rebuild with `moco index --rebuild`")
@@ -102,8 +106,10 @@ class IndexDirectory:
         return cls(path, current_generation(path), mmap=mmap, faiss_gpu_mode=faiss_gpu_mode)
 
     def __repr__(self) -> str:
-        return (f"IndexDirectory({str(self.path)!r}, generation={self.generation}, count={self.manifest.count}, "
-                f"factory={self.manifest.factory!r})")
+        return (
+            f"IndexDirectory({str(self.path)!r}, generation={self.generation}, count={self.manifest.count}, "
+            f"factory={self.manifest.factory!r})"
+        )
 
     def __enter__(self) -> "IndexDirectory":
         return self

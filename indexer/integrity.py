@@ -26,6 +26,7 @@ compaction                     + the sha256 of everything it rebuilds from: both
 
 Manifests written before checksums were recorded have neither field: they open with nothing to compare.
 """
+
 from __future__ import annotations
 
 import logging
@@ -108,8 +109,8 @@ def record_blocks(layout: IndexLayout, names: list[str], known: dict[str, dict])
 class Checked:
     """What :func:`check_files` looked at."""
 
-    files: int = 0        # files whose size was checked
-    hashed: int = 0       # ... and whose sha256 was
+    files: int = 0  # files whose size was checked
+    hashed: int = 0  # ... and whose sha256 was
     bytes_hashed: int = 0
     seconds: float = 0.0
 
@@ -129,15 +130,28 @@ def _problem(path: Path, want: dict, hashed: bool) -> str | None:
         if digest is None:
             return f"{path} cannot be read"
         if digest != want["sha256"]:
-            return (f"{path} is damaged: its sha256 is {digest[:12]}, its manifest recorded {want['sha256'][:12]} "
-                    "(the same size, other bytes)")
+            return (
+                f"{path} is damaged: its sha256 is {digest[:12]}, its manifest recorded {want['sha256'][:12]} "
+                "(the same size, other bytes)"
+            )
     return None
 
 
-def _problems(layout: IndexLayout, manifest: IndexManifest, gen: GenerationPaths, hashed, blocks: bool,
-              hashed_blocks: bool, checked: Checked, ignore: Collection[str] = ()):
-    wanted = [(gen.file(name), want, hashed is ALL or name in hashed)
-              for name, want in manifest.files.items() if name not in ignore]
+def _problems(
+    layout: IndexLayout,
+    manifest: IndexManifest,
+    gen: GenerationPaths,
+    hashed,
+    blocks: bool,
+    hashed_blocks: bool,
+    checked: Checked,
+    ignore: Collection[str] = (),
+):
+    wanted = [
+        (gen.file(name), want, hashed is ALL or name in hashed)
+        for name, want in manifest.files.items()
+        if name not in ignore
+    ]
     if blocks:
         wanted += [(layout.block_file(name), want, hashed_blocks) for name, want in manifest.block_files.items()]
     for path, want, do_hash in wanted:
@@ -150,8 +164,15 @@ def _problems(layout: IndexLayout, manifest: IndexManifest, gen: GenerationPaths
             yield problem
 
 
-def check_files(layout: IndexLayout, generation: str, manifest: IndexManifest, hashed: Collection[str] | bool = (),
-                blocks: bool = False, hashed_blocks: bool = False, ignore: Collection[str] = ()) -> Checked:
+def check_files(
+    layout: IndexLayout,
+    generation: str,
+    manifest: IndexManifest,
+    hashed: Collection[str] | bool = (),
+    blocks: bool = False,
+    hashed_blocks: bool = False,
+    ignore: Collection[str] = (),
+) -> Checked:
     """Check the files of ``generation`` against the records of its ``manifest`` (see the module docstring).
 
     Args:
@@ -174,8 +195,13 @@ def check_files(layout: IndexLayout, generation: str, manifest: IndexManifest, h
     return checked
 
 
-def remedy(layout: IndexLayout, damaged: str, hashed: Collection[str] | bool = (), blocks: bool = False,
-           hashed_blocks: bool = False) -> str:
+def remedy(
+    layout: IndexLayout,
+    damaged: str,
+    hashed: Collection[str] | bool = (),
+    blocks: bool = False,
+    hashed_blocks: bool = False,
+) -> str:
     """What to do about a damaged generation: make an older one that passes the same check live (when there is
     one: it shares the base's files by hard links, so it rarely does when those are damaged), or rebuild."""
     for other in reversed(layout.generation_names()):
@@ -185,11 +211,14 @@ def remedy(layout: IndexLayout, damaged: str, hashed: Collection[str] | bool = (
             manifest = IndexManifest.read(layout.generation(other).manifest)
         except ArtifactError:
             continue
-        if not manifest.files or any(_problems(layout, manifest, layout.generation(other), hashed, blocks,
-                                               hashed_blocks, Checked())):
+        if not manifest.files or any(
+            _problems(layout, manifest, layout.generation(other), hashed, blocks, hashed_blocks, Checked())
+        ):
             continue
-        return (f"generation {other} passes the same check: make it live with `echo {other} > "
-                f"{layout.current_file}` (without the changes since), or rebuild with `moco index --rebuild`")
+        return (
+            f"generation {other} passes the same check: make it live with `echo {other} > "
+            f"{layout.current_file}` (without the changes since), or rebuild with `moco index --rebuild`"
+        )
     return "rebuild with `moco index --rebuild`"
 
 
@@ -218,8 +247,7 @@ def verify_index_dir(path: str | os.PathLike) -> Verified:
         raise ArtifactError(f"index directory not found: {layout.root}; build one with `moco index`")
     live = layout.current()
     if live is None:
-        raise ArtifactError(f"{layout.root} is not an index directory (nothing published); build one with "
-                            "`moco index`")
+        raise ArtifactError(f"{layout.root} is not an index directory (nothing published); build one with `moco index`")
     if not layout.generation(live).root.is_dir():
         raise layout.damaged_pointer(f"names {live}, which is not there")
     manifest = IndexManifest.read(layout.generation(live).manifest)

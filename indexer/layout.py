@@ -29,6 +29,7 @@ replaced with ``os.replace``: a reader sees the old generation or the new one, n
 generation is kept until the next publish, so readers that opened it stay valid while they swap.
 ``manifest.json`` is :class:`indexer.manifest.IndexManifest`.
 """
+
 from __future__ import annotations
 
 import logging
@@ -54,7 +55,7 @@ WORK_DIR = "work"
 LOCK_FILE = ".lock"
 MANIFEST_FILE = "manifest.json"
 INDEX_FILE = "vectors.faiss"
-LISTS_FILE = "vectors.ivfdata"   # the name FAISS's on-disk lists are found under (IO_FLAG_ONDISK_SAME_DIR)
+LISTS_FILE = "vectors.ivfdata"  # the name FAISS's on-disk lists are found under (IO_FLAG_ONDISK_SAME_DIR)
 TRAINED_FILE = "trained.faiss"
 DELTA_INDEX_FILE = "delta.faiss"
 REMOVED_FILE = "removed.npy"
@@ -66,8 +67,16 @@ STAGING_PREFIX = ".tmp-"
 LMDB_DATA_FILE = "data.mdb"  # LMDB's name for a store's data file (indexer.metadata.DATA_FILE)
 # Every data file a generation may hold, by its path inside the generation folder: the keys of the manifest's
 # ``files``. Not report.json (what a run did, linked in after publishing) nor LMDB's lock files.
-GENERATION_FILES = (INDEX_FILE, LISTS_FILE, TRAINED_FILE, DELTA_INDEX_FILE, REMOVED_FILE,
-                    f"{META_DIR}/{LMDB_DATA_FILE}", f"{DELTA_META_DIR}/{LMDB_DATA_FILE}", ENCODER_FILE)
+GENERATION_FILES = (
+    INDEX_FILE,
+    LISTS_FILE,
+    TRAINED_FILE,
+    DELTA_INDEX_FILE,
+    REMOVED_FILE,
+    f"{META_DIR}/{LMDB_DATA_FILE}",
+    f"{DELTA_META_DIR}/{LMDB_DATA_FILE}",
+    ENCODER_FILE,
+)
 # ... and those an update shares with its predecessor by hard links (the base)
 SHARED_FILES = (INDEX_FILE, LISTS_FILE, TRAINED_FILE, f"{META_DIR}/{LMDB_DATA_FILE}")
 
@@ -214,8 +223,10 @@ class IndexLayout:
         except FileNotFoundError:
             raw = None
         except OSError as exc:
-            raise ArtifactError(f"cannot read {self.current_file} ({exc.strerror or exc}); check its permissions, "
-                                "or rebuild with `moco index --rebuild`") from exc
+            raise ArtifactError(
+                f"cannot read {self.current_file} ({exc.strerror or exc}); check its permissions, "
+                "or rebuild with `moco index --rebuild`"
+            ) from exc
         if raw is None:
             if not self.generation_names():
                 return None
@@ -231,10 +242,15 @@ class IndexLayout:
         """The one-line error for a ``CURRENT`` that does not name a usable generation."""
         names = self.generation_names()
         held = ", ".join(names) if names else "no generation"
-        fix = (f"write the live generation's name into it (e.g. `echo {names[-1]} > {self.current_file}`) or "
-               if names else "")
-        return ArtifactError(f"{self.current_file} {problem}, and {self.generations} holds {held}; {fix}"
-                             "rebuild with `moco index --rebuild`")
+        fix = (
+            f"write the live generation's name into it (e.g. `echo {names[-1]} > {self.current_file}`) or "
+            if names
+            else ""
+        )
+        return ArtifactError(
+            f"{self.current_file} {problem}, and {self.generations} holds {held}; {fix}"
+            "rebuild with `moco index --rebuild`"
+        )
 
 
 def current_generation(path: str | os.PathLike) -> str:

@@ -5,6 +5,7 @@
 round-trip it through JSON, :meth:`IndexManifest.read` refuses files that are not ours or are newer than this
 code, and :meth:`IndexManifest.check_encoder` is the one check that an encoder made these vectors.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -16,6 +17,7 @@ from pathlib import Path
 
 from moco_retrieval.contracts.atomic import write_json_atomic
 from moco_retrieval.contracts.errors import ArtifactError
+
 
 def file_sha256(path: str | os.PathLike) -> str | None:
     """The hex sha256 of a file's bytes (streamed), or ``None`` when it cannot be read."""
@@ -100,19 +102,23 @@ class IndexManifest:
         except FileNotFoundError:
             raise ArtifactError(f"index manifest not found: {path}; build the index with `moco index`") from None
         except (OSError, ValueError) as exc:
-            raise ArtifactError(f"unreadable index manifest {path} ({exc}); rebuild with `moco index --rebuild`"
-                                ) from exc
+            raise ArtifactError(
+                f"unreadable index manifest {path} ({exc}); rebuild with `moco index --rebuild`"
+            ) from exc
         if not isinstance(raw, dict) or raw.get("format") != INDEX_FORMAT:
             raise ArtifactError(f"{path} is not a moco-retrieval index manifest; build the index with `moco index`")
         if not isinstance(raw.get("format_version"), int) or raw["format_version"] > INDEX_FORMAT_VERSION:
-            raise ArtifactError(f"{path} has index format {raw.get('format_version')}, newer than this "
-                                f"moco-retrieval reads ({INDEX_FORMAT_VERSION}); upgrade moco-retrieval")
+            raise ArtifactError(
+                f"{path} has index format {raw.get('format_version')}, newer than this "
+                f"moco-retrieval reads ({INDEX_FORMAT_VERSION}); upgrade moco-retrieval"
+            )
         known = {f.name for f in dataclasses.fields(cls)}
         try:
             manifest = cls(**{k: v for k, v in raw.items() if k in known})
         except TypeError as exc:  # a required field is missing
-            raise ArtifactError(f"index manifest {path} is incomplete ({exc}); rebuild with `moco index --rebuild`"
-                                ) from exc
+            raise ArtifactError(
+                f"index manifest {path} is incomplete ({exc}); rebuild with `moco index --rebuild`"
+            ) from exc
         if manifest.base_count is None:  # version 1: everything is in the base
             manifest.base_count = manifest.count
         if manifest.base_next_id is None:
@@ -133,11 +139,14 @@ class IndexManifest:
             ArtifactError: another model (sha256), or vectors of another dimension.
         """
         if sha256 != self.model_sha256:
-            raise ArtifactError(f"index {where} was built with another model ({self.model_sha256[:12]}; "
-                                f"{path} is {sha256[:12]}); {remedy}")
+            raise ArtifactError(
+                f"index {where} was built with another model ({self.model_sha256[:12]}; "
+                f"{path} is {sha256[:12]}); {remedy}"
+            )
         if embedding_dim != self.embedding_dim:
-            raise ArtifactError(f"index {where} holds {self.embedding_dim}-d vectors, but {path} makes "
-                                f"{embedding_dim}-d ones; {remedy}")
+            raise ArtifactError(
+                f"index {where} holds {self.embedding_dim}-d vectors, but {path} makes {embedding_dim}-d ones; {remedy}"
+            )
 
 
 def check_encoder_copy(path: str | os.PathLike, manifest: IndexManifest, where: str) -> None:
@@ -150,9 +159,13 @@ def check_encoder_copy(path: str | os.PathLike, manifest: IndexManifest, where: 
     """
     digest = file_sha256(path)
     if digest is None:
-        raise ArtifactError(f"{path} is missing or unreadable; rebuild with `moco index --rebuild`, or pass "
-                            "--model with the encoder the index was built with")
+        raise ArtifactError(
+            f"{path} is missing or unreadable; rebuild with `moco index --rebuild`, or pass "
+            "--model with the encoder the index was built with"
+        )
     if digest != manifest.model_sha256:
-        raise ArtifactError(f"index {where} was built with another model ({manifest.model_sha256[:12]}) than its own "
-                            f"copy {path} ({digest[:12]}): the copy is damaged or was replaced; rebuild with "
-                            "`moco index --rebuild`, or pass --model with the encoder the index was built with")
+        raise ArtifactError(
+            f"index {where} was built with another model ({manifest.model_sha256[:12]}) than its own "
+            f"copy {path} ({digest[:12]}): the copy is damaged or was replaced; rebuild with "
+            "`moco index --rebuild`, or pass --model with the encoder the index was built with"
+        )

@@ -42,6 +42,7 @@ process (``moco search`` printed only "Bus error"). So a store is checked before
 (a damaged page: ``lmdb.CorruptedError``, ``PageNotFoundError``; a value that is not ours) becomes one
 :class:`~contracts.errors.ArtifactError` naming the store.
 """
+
 from __future__ import annotations
 
 import functools
@@ -80,9 +81,17 @@ DATA_FILE = "data.mdb"
 _META_MAGIC = 0xBEEFC0DE
 _META = struct.Struct("<II8xQI44x48xQQ")  # magic, version, mapsize, page size, last page, txnid (from byte 16)
 # errors of a damaged store (BadTxnError: a transaction that met a damaged page refuses every later operation)
-_DAMAGE = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.InvalidError, lmdb.IncompatibleError,
-           lmdb.BadValsizeError, lmdb.VersionMismatchError, lmdb.BadChecksumError, lmdb.PanicError,
-           lmdb.BadTxnError)
+_DAMAGE = (
+    lmdb.CorruptedError,
+    lmdb.PageNotFoundError,
+    lmdb.InvalidError,
+    lmdb.IncompatibleError,
+    lmdb.BadValsizeError,
+    lmdb.VersionMismatchError,
+    lmdb.BadChecksumError,
+    lmdb.PanicError,
+    lmdb.BadTxnError,
+)
 
 
 def _meta_page(f, offset: int) -> tuple | None:
@@ -114,16 +123,19 @@ def check_data_file(path: Path) -> None:
     except FileNotFoundError:
         raise ArtifactError(f"metadata store not found: {path.parent}; rebuild with `moco index --rebuild`") from None
     except OSError as exc:
-        raise ArtifactError(f"cannot read metadata store {path} ({exc.strerror or exc}); rebuild with "
-                            "`moco index --rebuild`") from exc
+        raise ArtifactError(
+            f"cannot read metadata store {path} ({exc.strerror or exc}); rebuild with `moco index --rebuild`"
+        ) from exc
     if second is None:
         state = "empty" if size == 0 else f"not an LMDB file or its header is damaged ({size:,} bytes)"
         raise ArtifactError(f"metadata store {path} is {state}; rebuild with `moco index --rebuild`")
     _, _, _, page_size, last_page, _ = max(first, second, key=lambda meta: meta[5])
     needed = (last_page + 1) * page_size
     if size < needed:
-        raise ArtifactError(f"metadata store {path} is truncated ({size:,} bytes, its header counts {needed:,}); "
-                            "rebuild with `moco index --rebuild`")
+        raise ArtifactError(
+            f"metadata store {path} is truncated ({size:,} bytes, its header counts {needed:,}); "
+            "rebuild with `moco index --rebuild`"
+        )
 
 
 def id_key(item_id: int) -> bytes:
@@ -173,8 +185,9 @@ def _file_id(path: Path) -> tuple[int, int]:
     try:
         st = os.stat(path / DATA_FILE)
     except OSError as exc:
-        raise ArtifactError(f"metadata store not found: {path} ({exc.strerror or exc}); rebuild with "
-                            "`moco index --rebuild`") from exc
+        raise ArtifactError(
+            f"metadata store not found: {path} ({exc.strerror or exc}); rebuild with `moco index --rebuild`"
+        ) from exc
     return st.st_dev, st.st_ino
 
 
@@ -203,8 +216,7 @@ def _release_readonly(key: tuple[int, int]) -> None:
 def _open_writable(path: Path) -> lmdb.Environment:
     path.mkdir(parents=True, exist_ok=True)
     size = max(INITIAL_MAP_SIZE, 2 * _file_size(path / DATA_FILE))
-    return lmdb.open(str(path), map_size=size, max_dbs=MAX_DBS, subdir=True, sync=True, metasync=True,
-                     readahead=False)
+    return lmdb.open(str(path), map_size=size, max_dbs=MAX_DBS, subdir=True, sync=True, metasync=True, readahead=False)
 
 
 def copy_store(src: Path, dst: Path) -> None:
@@ -214,8 +226,9 @@ def copy_store(src: Path, dst: Path) -> None:
         dst.mkdir(parents=True, exist_ok=True)
         env.copy(str(dst), compact=True)
     except _DAMAGE as exc:  # the copy walks every page of the source: it meets a damaged one first
-        raise ArtifactError(f"metadata store {src} is damaged ({str(exc).splitlines()[0]}); rebuild with "
-                            "`moco index --rebuild`") from exc
+        raise ArtifactError(
+            f"metadata store {src} is damaged ({str(exc).splitlines()[0]}); rebuild with `moco index --rebuild`"
+        ) from exc
     finally:
         _release_readonly(key)
 
@@ -266,6 +279,7 @@ class _View:
     def prefixed(self, db: str, prefix: bytes) -> list[tuple[bytes, object]]:
         """``(key, raw value)`` of every live key of ``db`` that starts with ``prefix``, in key order: a range scan
         of each layer (the delta's keys override the base's)."""
+
         def scan(path, txn, handle) -> list:
             if txn is None or handle is None:
                 return []
@@ -340,16 +354,19 @@ def _next(store: "MetadataStore", path: Path, cursor) -> tuple[bytes, object] | 
 def _reads(method):
     """Make a read of the store fail in one line: a damaged page (an LMDB error) or a value that is not our JSON
     becomes an ArtifactError naming the store (generators too: their errors come while they are iterated)."""
+
     def damaged(self, exc):
         return exc if isinstance(exc, ArtifactError) else self.damaged(self.layers, exc)
 
     if inspect.isgeneratorfunction(method):
+
         @functools.wraps(method)
         def generator(self, *args, **kwargs):
             try:
                 yield from method(self, *args, **kwargs)
             except (lmdb.Error, ValueError, TypeError, KeyError) as exc:
                 raise damaged(self, exc) from exc
+
         return generator
 
     @functools.wraps(method)
@@ -358,6 +375,7 @@ def _reads(method):
             return method(self, *args, **kwargs)
         except (lmdb.Error, ValueError, TypeError, KeyError) as exc:
             raise damaged(self, exc) from exc
+
     return wrapper
 
 
@@ -393,22 +411,29 @@ class MetadataStore:
             self._db = {name.decode(): self.env.open_db(name, create=not readonly) for name in _DBS}
             self._db.update(_optional_dbs(self.env, create=not readonly))
             opening = self.path
-            self._base_db = ({name.decode(): self._base_env.open_db(name, create=False) for name in _DBS}
-                             if self._base_env is not None else None)
+            self._base_db = (
+                {name.decode(): self._base_env.open_db(name, create=False) for name in _DBS}
+                if self._base_env is not None
+                else None
+            )
             if self._base_db is not None:
                 self._base_db.update(_optional_dbs(self._base_env, create=False))
-            if (not readonly and not self.layered and self._db.get("labels") is not None
-                    and self._is_empty()):  # a new base: its label index is whole
+            if (
+                not readonly and not self.layered and self._db.get("labels") is not None and self._is_empty()
+            ):  # a new base: its label index is whole
                 with self.env.begin(write=True) as txn:
                     txn.put(LABEL_INDEX, _dump(1), db=self._db["info"])
         except lmdb.Error as exc:
             self.close()
             detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             if not readonly and opening == self.top_path and not isinstance(exc, _DAMAGE):  # creating it: I/O
-                raise OutputError(f"cannot write metadata store {opening} ({detail}); check free space and "
-                                  "permissions, then rerun the same command") from exc
-            raise ArtifactError(f"cannot open metadata store {opening} ({detail}); rebuild with "
-                                "`moco index --rebuild`") from exc
+                raise OutputError(
+                    f"cannot write metadata store {opening} ({detail}); check free space and "
+                    "permissions, then rerun the same command"
+                ) from exc
+            raise ArtifactError(
+                f"cannot open metadata store {opening} ({detail}); rebuild with `moco index --rebuild`"
+            ) from exc
         except OSError as exc:  # creating the folder of a writable store
             self.close()
             with output_errors(opening):
@@ -419,8 +444,11 @@ class MetadataStore:
 
     def _is_empty(self) -> bool:
         with self.env.begin() as txn:
-            return (txn.stat(self._db["items"])["entries"] == 0 and txn.stat(self._db["tombstones"])["entries"] == 0
-                    and txn.get(b"next_id", db=self._db["info"]) is None)
+            return (
+                txn.stat(self._db["items"])["entries"] == 0
+                and txn.stat(self._db["tombstones"])["entries"] == 0
+                and txn.get(b"next_id", db=self._db["info"]) is None
+            )
 
     def _open(self, path: Path, readonly: bool) -> lmdb.Environment:
         if not readonly:
@@ -499,8 +527,10 @@ class MetadataStore:
             except (ValueError, TypeError, KeyError) as exc:  # a value in it that is not our JSON
                 raise self.damaged(self.layers, exc) from exc
             except lmdb.Error as exc:  # I/O errors: a full disk is the usual one
-                raise OutputError(f"cannot write metadata store {self.delta_path or self.path} ({exc}); check free "
-                                  "space and rerun the same command") from exc
+                raise OutputError(
+                    f"cannot write metadata store {self.delta_path or self.path} ({exc}); check free "
+                    "space and rerun the same command"
+                ) from exc
             finally:
                 if base is not None:
                     base.abort()
@@ -552,8 +582,7 @@ class MetadataStore:
     def live_ids(self) -> np.ndarray:
         """Sorted int64 ids of every live item (keys only: no record is decoded)."""
         with self._read() as view:
-            return np.fromiter((int.from_bytes(k, "big") for k, _ in view.items("items", values=False)),
-                               dtype=np.int64)
+            return np.fromiter((int.from_bytes(k, "big") for k, _ in view.items("items", values=False)), dtype=np.int64)
 
     @property
     def has_label_index(self) -> bool:
@@ -568,8 +597,10 @@ class MetadataStore:
             ArtifactError: a store written before label filters existed (rebuild it).
         """
         if not self.has_label_index:
-            raise ArtifactError(f"index metadata {self.top_path} was built before label filters; rebuild it with "
-                                "`moco index --rebuild` to filter by label")
+            raise ArtifactError(
+                f"index metadata {self.top_path} was built before label filters; rebuild it with "
+                "`moco index --rebuild` to filter by label"
+            )
         prefix = encode_name(label) + b"\0"
         with self._read() as view:
             keys = [k for k, _ in view.prefixed("labels", prefix)]
@@ -624,7 +655,7 @@ class MetadataStore:
         """
         removed: list[dict] = []
         for start in range(0, len(ids), WRITE_CHUNK):
-            chunk = ids[start:start + WRITE_CHUNK]
+            chunk = ids[start : start + WRITE_CHUNK]
             removed += self._write(lambda view: [self._remove_one(view, i, generation) for i in chunk])
         return removed
 
@@ -632,13 +663,17 @@ class MetadataStore:
         key = id_key(item_id)
         rec = _load(view.get("items", key))
         if rec is None:
-            raise IndexBuildError(f"metadata store {self.path} has no live item {item_id} to remove; "
-                                  "rebuild with `moco index --rebuild`")
+            raise IndexBuildError(
+                f"metadata store {self.path} has no live item {item_id} to remove; rebuild with `moco index --rebuild`"
+            )
         view.delete("items", key)
         if rec.get("label") is not None and self._db.get("labels") is not None:
             view.delete("labels", label_key(rec["label"], item_id))
-        view.put("tombstones", key, _dump({"id": item_id, "path": rec["path"], "sha256": rec["sha256"],
-                                           "removed_in": generation}))
+        view.put(
+            "tombstones",
+            key,
+            _dump({"id": item_id, "path": rec["path"], "sha256": rec["sha256"], "removed_in": generation}),
+        )
         if _load(view.get("paths", path_key(rec["path"]))) == item_id:
             view.delete("paths", path_key(rec["path"]))
         sha_key = rec["sha256"].encode()
@@ -662,7 +697,7 @@ class MetadataStore:
         """
         stored: list[dict] = []
         for start in range(0, len(records), WRITE_CHUNK):
-            chunk = records[start:start + WRITE_CHUNK]
+            chunk = records[start : start + WRITE_CHUNK]
             stored += self._write(lambda view: [self._add_one(view, r) for r in chunk])
         return stored
 
@@ -688,6 +723,7 @@ class MetadataStore:
 
     def replace_skipped(self, skipped: dict[str, dict]) -> None:
         """Replace the remembered unreadable files with ``skipped`` (path -> {path, bytes, mtime_ns, reason})."""
+
         def fn(view: _View):
             old = {k for k, _ in view.items("skipped", values=False)}
             new = {path_key(p): info for p, info in skipped.items()}
@@ -695,6 +731,7 @@ class MetadataStore:
                 view.delete("skipped", key)
             for key, info in new.items():
                 view.put("skipped", key, _dump(info))
+
         self._write(fn)
 
     def sync(self) -> None:
@@ -714,7 +751,7 @@ def materialize(base: Path, delta: Path, out: Path) -> None:
             with source._read() as view:
                 entries = [(k, bytes(v)) for k, v in _raw_items(view, db)]
             for start in range(0, len(entries), WRITE_CHUNK):
-                chunk = entries[start:start + WRITE_CHUNK]
+                chunk = entries[start : start + WRITE_CHUNK]
 
                 def apply(v: _View, chunk=chunk, db=db):
                     for key, value in chunk:
@@ -723,6 +760,7 @@ def materialize(base: Path, delta: Path, out: Path) -> None:
                                 v.delete(db, key)
                         else:
                             v.put(db, key, value)
+
                 target._write(apply)
         target.sync()
 

@@ -12,6 +12,7 @@ Two ways to find it:
 Either way files whose size, mtime and label match their record are unchanged and never read again, and
 unreadable files remembered from earlier runs are not retried until they change.
 """
+
 from __future__ import annotations
 
 import logging
@@ -31,11 +32,11 @@ LOG = logging.getLogger(__name__)
 class Plan:
     """The difference between the folder and the live generation."""
 
-    todo: list[FoundFile]             # new or changed files, in path order
-    changed_ids: dict[str, int]       # path -> old id, for changed files
-    removed_ids: list[int]            # ids of vanished files
+    todo: list[FoundFile]  # new or changed files, in path order
+    changed_ids: dict[str, int]  # path -> old id, for changed files
+    removed_ids: list[int]  # ids of vanished files
     unchanged: int
-    skipped: dict[str, dict]          # path -> {path, bytes, mtime_ns, reason}: unreadable, not retried
+    skipped: dict[str, dict]  # path -> {path, bytes, mtime_ns, reason}: unreadable, not retried
 
 
 def read_changed_list(path: str | os.PathLike) -> list[str]:

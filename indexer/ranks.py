@@ -21,6 +21,7 @@ stops with a one-line error; rerunning the same command resumes every rank from 
 Why files rather than ``torch.distributed``: the indexer stays torch-free and runs on every backend and
 launcher (gloo, NCCL or none); the shards have to be on a filesystem every rank sees anyway.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -76,8 +77,9 @@ class Rendezvous:
         write_text_atomic(self._progress(self.world.rank), f"{files_done} {time.time():.3f}\n")
 
     def mark_done(self, digest: str, files: int) -> None:
-        write_json_atomic(self._done(self.world.rank), {"digest": digest, "files": files,
-                                                         "world_size": self.world.world_size})
+        write_json_atomic(
+            self._done(self.world.rank), {"digest": digest, "files": files, "world_size": self.world.world_size}
+        )
 
     def _read_done(self, rank: int) -> str | None:
         try:
@@ -112,7 +114,8 @@ class Rendezvous:
                     raise IndexBuildError(
                         f"rank {r} of {self.world.world_size} made no progress for {self.timeout_s:.0f} s (stopped, "
                         "killed or hung); rerun the same command to resume (finished shards are kept), or raise "
-                        "--rank-timeout")
+                        "--rank-timeout"
+                    )
             if waiting:
                 if not told:
                     LOG.info("rank 0 done with its part; waiting for ranks %s", ", ".join(map(str, sorted(waiting))))

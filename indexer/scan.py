@@ -4,11 +4,13 @@ The walk rules are :func:`contracts.images.walk_image_files`, the same for every
 repeats them): recursive and sorted by relative path; image extensions only; hidden names ignored; symlinks
 followed, each folder once, but a file that resolves outside the folder is skipped (the server serves only
 files inside it); only regular files (a broken link or a FIFO is reported as skipped, never opened); names
-kept as the file system has them, not-UTF-8 bytes included (:mod:`contracts.filenames`). The label is the first-level subfolder, unless a ``path,label`` CSV is given, which then is the only
+kept as the file system has them, not-UTF-8 bytes included (:mod:`contracts.filenames`). The label is the
+first-level subfolder, unless a ``path,label`` CSV is given, which then is the only
 source of labels.
 
 Reads only directory entries and ``stat`` (never file contents), so rescanning 10 million files is cheap.
 """
+
 from __future__ import annotations
 
 import csv
@@ -26,7 +28,7 @@ LOG = logging.getLogger(__name__)
 @dataclass
 class ScanResult:
     root: Path
-    entries: list[FoundFile]         # the readable ones (no skip reason), labels as this scan gives them
+    entries: list[FoundFile]  # the readable ones (no skip reason), labels as this scan gives them
     skipped: list[tuple[str, str]]  # (relative path, reason) for files that cannot even be stat'ed
     not_images: dict[str, int] = field(default_factory=dict)  # extension -> files passed over for it
 
@@ -73,8 +75,10 @@ def scan_folder(root: str | os.PathLike, labels: dict[str, str] | None = None) -
             continue
         entries.append(found if labels is None else replace(found, label=labels.get(found.path)))
     if not entries:
-        raise DataError(f"no image files in {root}; expected files ending in {', '.join(IMAGE_EXTENSIONS)}"
-                        + (f" (found {describe_not_images(not_images)})" if not_images else ""))
+        raise DataError(
+            f"no image files in {root}; expected files ending in {', '.join(IMAGE_EXTENSIONS)}"
+            + (f" (found {describe_not_images(not_images)})" if not_images else "")
+        )
     LOG.info("scanned %s: %d image files", root, len(entries))
     return ScanResult(root=root, entries=entries, skipped=skipped, not_images=dict(sorted(not_images.items())))
 

@@ -11,6 +11,7 @@ For IVF-PQ the codes alone cap recall (0.38 at 100k x 512 in ``bench/results/fai
 so candidates are re-ranked: ``refine`` x k candidates are fetched and scored exactly against their stored
 vectors (:class:`indexer.vectors.BlockVectors`, float16 blocks on disk, memory-mapped).
 """
+
 from __future__ import annotations
 
 import logging
@@ -70,8 +71,11 @@ def index_ids(index: faiss.Index) -> np.ndarray:
     if isinstance(index, (faiss.IndexIDMap, faiss.IndexIDMap2)):
         return np.sort(faiss.vector_to_array(index.id_map).astype(np.int64))
     invlists = faiss.extract_index_ivf(index).invlists
-    ids = [faiss.rev_swig_ptr(invlists.get_ids(i), invlists.list_size(i)).copy()
-           for i in range(invlists.nlist) if invlists.list_size(i)]
+    ids = [
+        faiss.rev_swig_ptr(invlists.get_ids(i), invlists.list_size(i)).copy()
+        for i in range(invlists.nlist)
+        if invlists.list_size(i)
+    ]
     return np.sort(np.concatenate(ids).astype(np.int64)) if ids else np.zeros(0, dtype=np.int64)
 
 
@@ -102,8 +106,15 @@ class LayeredIndex:
         gpu: a GPU copy of ``base`` (``indexer.faiss_gpu.GpuCopy``) searched when it can answer.
     """
 
-    def __init__(self, base: faiss.Index, delta: faiss.Index | None = None, removed: np.ndarray | None = None,
-                 params: dict | None = None, vectors=None, gpu=None):
+    def __init__(
+        self,
+        base: faiss.Index,
+        delta: faiss.Index | None = None,
+        removed: np.ndarray | None = None,
+        params: dict | None = None,
+        vectors=None,
+        gpu=None,
+    ):
         self.base = base
         self.delta = delta if delta is not None and delta.ntotal > 0 else None
         self.removed = np.unique(np.asarray(removed if removed is not None else [], dtype=np.int64))
@@ -128,8 +139,10 @@ class LayeredIndex:
         return self._vectors
 
     def __repr__(self) -> str:
-        return (f"LayeredIndex(base={self.base_ntotal}, removed={len(self.removed)}, "
-                f"delta={self.delta.ntotal if self.delta else 0}, params={self.params})")
+        return (
+            f"LayeredIndex(base={self.base_ntotal}, removed={len(self.removed)}, "
+            f"delta={self.delta.ntotal if self.delta else 0}, params={self.params})"
+        )
 
     # -- search ---------------------------------------------------------------------------------------------
     def _drop_removed(self, D: np.ndarray, I: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -202,8 +215,11 @@ class LayeredIndex:
         parts = [self._search_base(xq, fetch)] if self.base_ntotal else []
         if self.delta is not None:
             kd = max(1, min(fetch, int(self.delta.ntotal)))
-            parts.append(self.delta.search(xq, kd, params=self._delta_params) if self._delta_params is not None
-                         else self.delta.search(xq, kd))
+            parts.append(
+                self.delta.search(xq, kd, params=self._delta_params)
+                if self._delta_params is not None
+                else self.delta.search(xq, kd)
+            )
         if not parts:
             return (np.full((len(xq), k), -np.inf, dtype=np.float32), np.full((len(xq), k), -1, dtype=np.int64))
         D, I = merge_results(parts, fetch)
@@ -240,8 +256,10 @@ class LayeredIndex:
         scores of compressed codes that wait to be re-ranked (IVF-PQ): those grow k instead."""
         if self.refine > 1:
             return False
-        return all(self._hnsw_scan(p) is not None if hasattr(unwrap(p), "hnsw") else params is not None
-                   for p, params, _ in self._parts())
+        return all(
+            self._hnsw_scan(p) is not None if hasattr(unwrap(p), "hnsw") else params is not None
+            for p, params, _ in self._parts()
+        )
 
     def range_search(self, xq: np.ndarray, radius: float) -> list[tuple[np.ndarray, np.ndarray]]:
         """Every item scoring at least ``radius`` (inner product) with each query, as the index finds them.
@@ -275,8 +293,8 @@ class LayeredIndex:
             found.append((lims, D, I))
         out = []
         for q in range(len(xq)):
-            D = np.concatenate([f[1][f[0][q]:f[0][q + 1]] for f in found] + [np.zeros(0, np.float32)])
-            I = np.concatenate([f[2][f[0][q]:f[0][q + 1]] for f in found] + [np.zeros(0, np.int64)]).astype(np.int64)
+            D = np.concatenate([f[1][f[0][q] : f[0][q + 1]] for f in found] + [np.zeros(0, np.float32)])
+            I = np.concatenate([f[2][f[0][q] : f[0][q + 1]] for f in found] + [np.zeros(0, np.int64)]).astype(np.int64)
             keep = D >= radius
             D, I = D[keep], I[keep]
             order = np.argsort(-D, kind="stable")
@@ -293,8 +311,9 @@ class LayeredIndex:
         fetch = k * self.refine if self.refine > 1 else k
         parts = [self._filtered_part(self.base, xq, fetch, filt, factor, True)] if self.base_ntotal else []
         if self.delta is not None:
-            parts.append(self._filtered_part(self.delta, xq, max(1, min(fetch, int(self.delta.ntotal))), filt,
-                                             factor, False))
+            parts.append(
+                self._filtered_part(self.delta, xq, max(1, min(fetch, int(self.delta.ntotal))), filt, factor, False)
+            )
         if not parts:
             return (np.full((len(xq), k), -np.inf, dtype=np.float32), np.full((len(xq), k), -1, dtype=np.int64))
         D, I = merge_results(parts, fetch)
@@ -348,10 +367,12 @@ class LayeredIndex:
 
 def open_vectors_lazily(opener: Callable[[], object]) -> Callable[[], object]:
     """Wrap ``opener`` so that a failure to open the blocks (gone with a compaction) reads as "no vectors"."""
+
     def lazy():
         try:
             return opener()
         except Exception as exc:  # ArtifactError or OSError: reconstruct then says "no stored vector"
             LOG.debug("stored vectors unavailable: %s", exc)
             return None
+
     return lazy

@@ -18,6 +18,7 @@ shards when it starts (another rank's may still be being written). Every rank lo
 resumes where the last one stopped, with the same or another number of ranks. The folder is deleted once
 the run publishes its generation.
 """
+
 from __future__ import annotations
 
 import json
@@ -53,8 +54,15 @@ def discard_other_models(work_root: Path, keep: Path) -> None:
 class WorkShards:
     """The finished shards of ``work/<model>/`` (a lookup table over all ranks) plus the shard being filled."""
 
-    def __init__(self, work_root: Path, model_sha256: str, embedding_dim: int, shard_size: int = 1024,
-                 rank: int = 0, dtype=np.float32):
+    def __init__(
+        self,
+        work_root: Path,
+        model_sha256: str,
+        embedding_dim: int,
+        shard_size: int = 1024,
+        rank: int = 0,
+        dtype=np.float32,
+    ):
         self.dir = model_work_dir(work_root, model_sha256, embedding_dim)
         self.dim = embedding_dim
         self.shard_size = shard_size
@@ -62,7 +70,7 @@ class WorkShards:
         self.dtype = np.dtype(dtype)
         # path -> (entry fields as a tuple, (rank, shard number)): tuples, not dicts, so 10M entries fit in RAM
         self._cache: dict[str, tuple[tuple, tuple[int, int]]] = {}
-        self._vectors: dict[tuple[int, int], np.ndarray] = {}       # (rank, number) -> memory-mapped [n_ok, D]
+        self._vectors: dict[tuple[int, int], np.ndarray] = {}  # (rank, number) -> memory-mapped [n_ok, D]
         self._pending_entries: list[dict] = []
         self._pending_vectors: list[np.ndarray] = []
         self._next = 0
@@ -150,8 +158,9 @@ class WorkShards:
             return
         key = (self.rank, self._next)
         stem = self._stem(*key)
-        vectors = (np.stack(self._pending_vectors) if self._pending_vectors
-                   else np.zeros((0, self.dim), dtype=self.dtype))
+        vectors = (
+            np.stack(self._pending_vectors) if self._pending_vectors else np.zeros((0, self.dim), dtype=self.dtype)
+        )
         with atomic_write(Path(f"{stem}.vec.npy")) as f:
             np.save(f, vectors)
         write_json_atomic(Path(f"{stem}.json"), self._pending_entries)

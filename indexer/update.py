@@ -13,11 +13,13 @@ An update (cost proportional to the change, never to the corpus):
 
 Ids only grow, so ids below the manifest's ``base_next_id`` are in the base and the others in the delta.
 Once the delta and the removed ids together pass ``COMPACT_FRACTION`` of the base and ``COMPACT_MIN`` items
-(or the index type has to change), the run publishes a compaction right after the update: the metadata layers materialized into one
+(or the index type has to change), the run publishes a compaction right after the update: the metadata layers
+materialized into one
 (:func:`indexer.metadata.materialize`), the vector blocks merged into one block of live rows when they are
 many or mostly dead, and the FAISS index rebuilt from them (IVF keeps its trained lists), recall re-measured.
 HNSW cannot remove vectors at all; its tombstones are filtered at search time until that rebuild.
 """
+
 from __future__ import annotations
 
 import logging
@@ -37,8 +39,8 @@ from moco_retrieval.indexer.vectors import BlockWriter, block_rows, live_blocks,
 LOG = logging.getLogger(__name__)
 
 COMPACT_FRACTION = 0.05  # compact once delta + removed items pass 5% of the base ...
-COMPACT_MIN = 1_000      # ... and this many (below it a delta costs nothing worth a rebuild)
-MAX_BLOCKS = 16          # ... and merge the vector blocks then when there are more than this
+COMPACT_MIN = 1_000  # ... and this many (below it a delta costs nothing worth a rebuild)
+MAX_BLOCKS = 16  # ... and merge the vector blocks then when there are more than this
 MAX_DEAD_FRACTION = 0.10  # ... or when more than this share of their rows is dead
 
 
@@ -72,8 +74,9 @@ def _new_delta(prev: GenerationPaths, d: int) -> faiss.Index:
     return faiss.index_factory(d, "IDMap2,Flat", faiss.METRIC_INNER_PRODUCT)
 
 
-def read_delta(gen: GenerationPaths, manifest: IndexManifest, factory: str | None = None,
-               mmap: bool = False) -> faiss.Index | None:
+def read_delta(
+    gen: GenerationPaths, manifest: IndexManifest, factory: str | None = None, mmap: bool = False
+) -> faiss.Index | None:
     """The generation's delta index (``None`` when it has none), checked against its manifest's
     ``delta_count``: a missing delta was read as an empty one, losing its items without a word.
 
@@ -83,18 +86,28 @@ def read_delta(gen: GenerationPaths, manifest: IndexManifest, factory: str | Non
     path = gen.delta_index
     if not path.is_file():
         if manifest.delta_count:
-            raise ArtifactError(f"{path} is missing (its manifest counts {manifest.delta_count} items added since "
-                                "the base); rebuild with `moco index --rebuild`")
+            raise ArtifactError(
+                f"{path} is missing (its manifest counts {manifest.delta_count} items added since "
+                "the base); rebuild with `moco index --rebuild`"
+            )
         return None
     delta = read_index(path, factory, mmap=mmap)
     if delta.ntotal != manifest.delta_count or delta.d != manifest.embedding_dim:
-        raise ArtifactError(f"{path} holds {delta.ntotal} {delta.d}-d vectors, its manifest counts "
-                            f"{manifest.delta_count} {manifest.embedding_dim}-d; rebuild with `moco index --rebuild`")
+        raise ArtifactError(
+            f"{path} holds {delta.ntotal} {delta.d}-d vectors, its manifest counts "
+            f"{manifest.delta_count} {manifest.embedding_dim}-d; rebuild with `moco index --rebuild`"
+        )
     return delta
 
 
-def update_faiss(prev: GenerationPaths, staging: GenerationPaths, manifest: IndexManifest, add_ids: np.ndarray,
-                 add_vectors: np.ndarray, removed_ids: np.ndarray) -> tuple[int, int]:
+def update_faiss(
+    prev: GenerationPaths,
+    staging: GenerationPaths,
+    manifest: IndexManifest,
+    add_ids: np.ndarray,
+    add_vectors: np.ndarray,
+    removed_ids: np.ndarray,
+) -> tuple[int, int]:
     """Write the new generation's ``delta.faiss`` and ``removed.npy``; returns ``(delta count, removed count)``.
 
     Args:
@@ -111,11 +124,14 @@ def update_faiss(prev: GenerationPaths, staging: GenerationPaths, manifest: Inde
         if len(in_delta):
             gone = delta.remove_ids(faiss.IDSelectorBatch(in_delta))
             if gone != len(in_delta):
-                raise IndexBuildError(f"the delta index of {prev.root.name} holds {gone} of the {len(in_delta)} "
-                                      "ids to remove; rebuild with `moco index --rebuild`")
+                raise IndexBuildError(
+                    f"the delta index of {prev.root.name} holds {gone} of the {len(in_delta)} "
+                    "ids to remove; rebuild with `moco index --rebuild`"
+                )
         if len(add_ids):
-            delta.add_with_ids(np.ascontiguousarray(add_vectors, dtype=np.float32),
-                               np.ascontiguousarray(add_ids, dtype=np.int64))
+            delta.add_with_ids(
+                np.ascontiguousarray(add_vectors, dtype=np.float32), np.ascontiguousarray(add_ids, dtype=np.int64)
+            )
     except RuntimeError as exc:
         raise IndexBuildError(f"FAISS failed updating the delta index: {str(exc).splitlines()[-1]}") from exc
     if delta.ntotal:
@@ -138,20 +154,31 @@ def read_removed(gen: GenerationPaths, manifest: IndexManifest) -> np.ndarray:
     path = gen.removed
     if not path.is_file():
         if manifest.removed_count:
-            raise ArtifactError(f"{path} is missing (its manifest counts {manifest.removed_count} removed ids); "
-                                "rebuild with `moco index --rebuild`")
+            raise ArtifactError(
+                f"{path} is missing (its manifest counts {manifest.removed_count} removed ids); "
+                "rebuild with `moco index --rebuild`"
+            )
         return np.zeros(0, dtype=np.int64)
     try:
         removed = np.load(path, allow_pickle=False)
     except (OSError, ValueError, EOFError) as exc:
-        raise ArtifactError(f"{path} is unreadable ({str(exc).splitlines()[0][:120]}); rebuild with "
-                            "`moco index --rebuild`") from exc
-    ok = (removed.ndim == 1 and removed.dtype == np.int64 and len(removed) == manifest.removed_count
-          and (len(removed) == 0 or (removed[0] >= 0 and removed[-1] < manifest.base_next_id
-                                     and bool(np.all(removed[1:] > removed[:-1])))))
+        raise ArtifactError(
+            f"{path} is unreadable ({str(exc).splitlines()[0][:120]}); rebuild with `moco index --rebuild`"
+        ) from exc
+    ok = (
+        removed.ndim == 1
+        and removed.dtype == np.int64
+        and len(removed) == manifest.removed_count
+        and (
+            len(removed) == 0
+            or (removed[0] >= 0 and removed[-1] < manifest.base_next_id and bool(np.all(removed[1:] > removed[:-1])))
+        )
+    )
     if not ok:
-        raise ArtifactError(f"{path} is damaged: not the {manifest.removed_count} sorted base ids its manifest "
-                            "counts; rebuild with `moco index --rebuild`")
+        raise ArtifactError(
+            f"{path} is damaged: not the {manifest.removed_count} sorted base ids its manifest "
+            "counts; rebuild with `moco index --rebuild`"
+        )
     return removed
 
 
@@ -160,8 +187,9 @@ def read_trained(gen: GenerationPaths) -> faiss.Index | None:
     return read_index(gen.trained) if gen.trained.is_file() else None
 
 
-def compact_blocks(layout: IndexLayout, names: list[str], live_ids: np.ndarray, name: str, dtype
-                   ) -> tuple[list[str], dict[str, dict]]:
+def compact_blocks(
+    layout: IndexLayout, names: list[str], live_ids: np.ndarray, name: str, dtype
+) -> tuple[list[str], dict[str, dict]]:
     """The blocks a compacted generation uses: ``names`` as they are, or one new block ``name`` holding only
     the live rows when there are more than ``MAX_BLOCKS`` of them, over ``MAX_DEAD_FRACTION`` dead rows, or
     rows of another dtype; and the records of a new block's files (``{}`` when none was written)."""

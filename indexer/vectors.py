@@ -10,6 +10,7 @@ are live is the metadata store's business, and :func:`live_blocks` filters by it
 so the blocks of a manifest, in its order, hold ascending ids: :class:`BlockVectors` finds any id's row
 with one binary search.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -57,11 +58,14 @@ class BlockWriter:
 
     def __enter__(self) -> "BlockWriter":
         header = io.BytesIO()
-        np.lib.format.write_array_header_1_0(header, {"descr": np.lib.format.dtype_to_descr(self.dtype),
-                                                      "fortran_order": False, "shape": (self.n, self.d)})
+        np.lib.format.write_array_header_1_0(
+            header,
+            {"descr": np.lib.format.dtype_to_descr(self.dtype), "fortran_order": False, "shape": (self.n, self.d)},
+        )
         rows_bytes = self.n * self.d * self.dtype.itemsize
-        check_free_space(self.vec_path.parent, header.tell() + rows_bytes + 8 * self.n + 128,
-                         f"vector block {self.vec_path}")
+        check_free_space(
+            self.vec_path.parent, header.tell() + rows_bytes + 8 * self.n + 128, f"vector block {self.vec_path}"
+        )
         self.ids = np.zeros(self.n, dtype=np.int64)
         self._vec_file = atomic_path(self.vec_path)
         tmp = self._vec_file.__enter__()
@@ -93,7 +97,7 @@ class BlockWriter:
         if end > self.n:
             raise IndexBuildError(f"vector block {self.vec_path.name} holds {self.n} rows, not {end}")
         self._write_rows(vectors)
-        self.ids[self.pos:end] = ids
+        self.ids[self.pos : end] = ids
         self.pos = end
 
     def __exit__(self, exc_type, exc, tb) -> bool:
@@ -118,7 +122,8 @@ class BlockWriter:
             f.write(ids.getvalue())
         self.records = {
             self.vec_path.name: {"bytes": self.vec_path.stat().st_size, "sha256": self._sha256.hexdigest()},
-            self.ids_path.name: {"bytes": ids.tell(), "sha256": hashlib.sha256(ids.getvalue()).hexdigest()}}
+            self.ids_path.name: {"bytes": ids.tell(), "sha256": hashlib.sha256(ids.getvalue()).hexdigest()},
+        }
         return False
 
 
@@ -134,29 +139,35 @@ def open_block(layout: IndexLayout, name: str) -> tuple[np.ndarray, np.ndarray]:
         ids = np.load(ids_path, mmap_mode="r")
         vec = np.load(vec_path, mmap_mode="r")
     except (OSError, ValueError, EOFError) as exc:
-        raise ArtifactError(f"vector block {name} of {layout.root} is unreadable ({exc}); rebuild with "
-                            "`moco index --rebuild`") from exc
+        raise ArtifactError(
+            f"vector block {name} of {layout.root} is unreadable ({exc}); rebuild with `moco index --rebuild`"
+        ) from exc
     if ids.ndim != 1 or ids.dtype != np.int64 or vec.ndim != 2 or len(vec) != len(ids):
-        raise ArtifactError(f"vector block {name} of {layout.root} is damaged (ids {ids.dtype} {ids.shape}, vectors "
-                            f"{vec.dtype} {vec.shape}); rebuild with `moco index --rebuild`")
+        raise ArtifactError(
+            f"vector block {name} of {layout.root} is damaged (ids {ids.dtype} {ids.shape}, vectors "
+            f"{vec.dtype} {vec.shape}); rebuild with `moco index --rebuild`"
+        )
     return ids, vec
 
 
-def live_blocks(layout: IndexLayout, names: list[str], live_ids: np.ndarray
-                ) -> Callable[[], Iterator[tuple[np.ndarray, np.ndarray]]]:
+def live_blocks(
+    layout: IndexLayout, names: list[str], live_ids: np.ndarray
+) -> Callable[[], Iterator[tuple[np.ndarray, np.ndarray]]]:
     """A block source (see ``indexer.faiss_index``) over the live rows of the named blocks, as float32.
 
     Args:
         live_ids: sorted int64 ids that are live; rows of other ids are skipped.
     """
+
     def blocks() -> Iterator[tuple[np.ndarray, np.ndarray]]:
         for name in names:
             ids, vec = open_block(layout, name)
             for start in range(0, len(ids), READ_ROWS):
-                sub = ids[start:start + READ_ROWS]
+                sub = ids[start : start + READ_ROWS]
                 keep = is_in_sorted(sub, live_ids)
                 if keep.any():
-                    yield sub[keep], np.asarray(vec[start:start + READ_ROWS][keep], dtype=np.float32)
+                    yield sub[keep], np.asarray(vec[start : start + READ_ROWS][keep], dtype=np.float32)
+
     return blocks
 
 

@@ -9,6 +9,7 @@ served over HTTP. Every module of the project lives under this one name:
 
 ``python -m moco_retrieval`` is the ``moco`` command.
 """
+
 from __future__ import annotations
 
 try:

@@ -11,6 +11,7 @@
 Everything else in the package is internal: its names may change between versions. Importing this module
 imports neither torch nor the indexer: each object loads what it needs when it is first used.
 """
+
 from __future__ import annotations
 
 import os
@@ -18,7 +19,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-__all__ = ["Encoder", "Index", "build_index", "train", "export", "TrainConfig", "IndexConfig"]
+__all__ = ["Encoder", "Index", "build_index", "train", "export", "TrainConfig", "IndexConfig"]  # noqa: F822 (lazy)
 
 
 class Encoder:
@@ -58,7 +59,7 @@ class Encoder:
         if isinstance(images, np.ndarray):
             return self._encoder.embed(images)
         images = list(images)
-        parts = [self._encoder.embed_images(images[i:i + batch_size]) for i in range(0, len(images), batch_size)]
+        parts = [self._encoder.embed_images(images[i : i + batch_size]) for i in range(0, len(images), batch_size)]
         return np.concatenate(parts) if parts else np.zeros((0, self.embedding_dim), dtype=np.float32)
 
     def __repr__(self) -> str:
@@ -77,8 +78,13 @@ class Index:
         self._engine = engine
 
     @classmethod
-    def open(cls, index_dir: str | os.PathLike, device: str = "auto", model: str | os.PathLike | None = None,
-             follow_updates: bool = False) -> Index:
+    def open(
+        cls,
+        index_dir: str | os.PathLike,
+        device: str = "auto",
+        model: str | os.PathLike | None = None,
+        follow_updates: bool = False,
+    ) -> Index:
         """Open ``index_dir`` with the encoder it was built with (or ``model``, which must be that encoder).
 
         Raises:
@@ -86,12 +92,20 @@ class Index:
         """
         from moco_retrieval.serve.engine import EngineConfig, SearchEngine
 
-        config = EngineConfig(device=device, model=None if model is None else str(model),
-                              poll_seconds=1.0 if follow_updates else 0)
+        config = EngineConfig(
+            device=device, model=None if model is None else str(model), poll_seconds=1.0 if follow_updates else 0
+        )
         return cls(SearchEngine(index_dir, config))
 
-    def search(self, queries, k: int | None = None, min_score: float | None = None, labels: Sequence[str] = (),
-               path_prefix: str | None = None, exclude: Sequence[int] = ()) -> list[list[dict]]:
+    def search(
+        self,
+        queries,
+        k: int | None = None,
+        min_score: float | None = None,
+        labels: Sequence[str] = (),
+        path_prefix: str | None = None,
+        exclude: Sequence[int] = (),
+    ) -> list[list[dict]]:
         """The nearest items of each query: a float32 ``[n, D]`` array of L2-normalized vectors, or a sequence of
         images (file paths, encoded bytes, PIL images). One list of records (with ``score``) per query, in order.
 
@@ -112,9 +126,15 @@ class Index:
             results = self._engine.search(list(queries), k, min_score, flt)
         return [res.hits for res in results]
 
-    def neighbours(self, item_id: int, k: int | None = None, min_score: float | None = None,
-                   labels: Sequence[str] = (), path_prefix: str | None = None,
-                   exclude: Sequence[int] = ()) -> list[dict]:
+    def neighbours(
+        self,
+        item_id: int,
+        k: int | None = None,
+        min_score: float | None = None,
+        labels: Sequence[str] = (),
+        path_prefix: str | None = None,
+        exclude: Sequence[int] = (),
+    ) -> list[dict]:
         """The items nearest to the indexed item ``item_id`` (itself left out); options as :meth:`search`."""
         return self._engine.search_by_id(item_id, k, min_score, self._filter(labels, path_prefix, exclude)).hits
 

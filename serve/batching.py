@@ -9,6 +9,7 @@ with ``k`` the largest any job of the group asked for.
 One worker means the encoder session and the FAISS index are only ever used from one thread at a time
 (FAISS GPU indexes are not thread-safe), while batching keeps the throughput of a larger batch.
 """
+
 from __future__ import annotations
 
 import logging
@@ -30,10 +31,10 @@ _STOP = object()
 class BatchOutput:
     """What one job gets back: its rows of the batch result plus how the batch went."""
 
-    value: Any                 # the job's slice of run()'s per-row result
-    batch_rows: int            # rows embedded together with this job's rows (its own included)
+    value: Any  # the job's slice of run()'s per-row result
+    batch_rows: int  # rows embedded together with this job's rows (its own included)
     seconds: dict[str, float]  # phase -> seconds for the whole batch (as reported by run())
-    queued: float              # seconds the job waited before its batch started
+    queued: float  # seconds the job waited before its batch started
 
 
 @dataclass
@@ -56,8 +57,13 @@ class MicroBatcher:
         max_wait: seconds the worker waits for more jobs after the first one arrived.
     """
 
-    def __init__(self, run: Callable[[Any, np.ndarray, int], tuple[list, dict[str, float]]], max_batch: int,
-                 max_wait: float, name: str = "moco-batcher"):
+    def __init__(
+        self,
+        run: Callable[[Any, np.ndarray, int], tuple[list, dict[str, float]]],
+        max_batch: int,
+        max_wait: float,
+        name: str = "moco-batcher",
+    ):
         self._run = run
         self.max_batch = max_batch
         self.max_wait = max_wait
@@ -129,5 +135,5 @@ class MicroBatcher:
         start = 0
         for job in jobs:
             n = len(job.rows)
-            job.future.set_result(BatchOutput(results[start:start + n], len(rows), seconds, started - job.enqueued))
+            job.future.set_result(BatchOutput(results[start : start + n], len(rows), seconds, started - job.enqueued))
             start += n

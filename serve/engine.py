@@ -15,6 +15,7 @@ The engine watches ``CURRENT`` of the index directory; when ``moco index`` publi
 opens and checks it beside the old one, switches new requests to it, and closes the old one once its last
 request has finished. A generation that fails its checks is logged and the old one keeps serving.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -152,14 +153,26 @@ class SearchEngine:
         if self.config.poll_seconds > 0:
             self._watcher = threading.Thread(target=self._watch, name="moco-index-watcher", daemon=True)
             self._watcher.start()
-        LOG.debug("opened %s: generation %s, %d items, model %s", self.index_dir, self._current.name,
-                 self._current.ntotal, self._current.encoder.metadata.get("arch"))
+        LOG.debug(
+            "opened %s: generation %s, %d items, model %s",
+            self.index_dir,
+            self._current.name,
+            self._current.ntotal,
+            self._current.encoder.metadata.get("arch"),
+        )
 
     def _open(self, reuse) -> ServedGeneration:
         cfg = self.config
-        return ServedGeneration.open(self.index_dir, model=cfg.model, reuse=reuse, device=cfg.device,
-                                     threads=cfg.threads, faiss_threads=cfg.faiss_threads, spin=cfg.spin,
-                                     faiss_gpu=cfg.faiss_gpu)
+        return ServedGeneration.open(
+            self.index_dir,
+            model=cfg.model,
+            reuse=reuse,
+            device=cfg.device,
+            threads=cfg.threads,
+            faiss_threads=cfg.faiss_threads,
+            spin=cfg.spin,
+            faiss_gpu=cfg.faiss_gpu,
+        )
 
     def close(self) -> None:
         """Stop watching, finish queued queries and close the index."""
@@ -209,8 +222,12 @@ class SearchEngine:
                 live = current_generation(self.index_dir)
             except ArtifactError as exc:
                 if str(exc) != self._pointer_problem:  # once per problem, not every poll
-                    LOG.warning("cannot read the live generation of %s (still serving %s): %s", self.index_dir,
-                                self._current.name, exc)
+                    LOG.warning(
+                        "cannot read the live generation of %s (still serving %s): %s",
+                        self.index_dir,
+                        self._current.name,
+                        exc,
+                    )
                     self._pointer_problem = str(exc)
                 return False
             self._pointer_problem = None
@@ -256,8 +273,11 @@ class SearchEngine:
             ConfigError: k out of range, or min_score not a number in [-1, 1].
         """
         if min_score is not None:
-            if (isinstance(min_score, bool) or not isinstance(min_score, (int, float, np.floating))
-                    or not -1.0 <= float(min_score) <= 1.0):
+            if (
+                isinstance(min_score, bool)
+                or not isinstance(min_score, (int, float, np.floating))
+                or not -1.0 <= float(min_score) <= 1.0
+            ):
                 raise ConfigError(f"min_score must be a number from -1 to 1 (a cosine similarity), got {min_score!r}")
         k = (SEARCH_K if min_score is None else self.config.max_k) if k is None else k
         self._check_k(k)
@@ -268,8 +288,10 @@ class SearchEngine:
         if n == 0:
             raise DataError(f"no query {what} given; send 1 to {self.config.max_queries}")
         if n > self.config.max_queries:
-            raise BatchTooLargeError(f"{n} query {what} in one request; the limit is {self.config.max_queries} "
-                                     "(split the batch, or raise --max-queries)")
+            raise BatchTooLargeError(
+                f"{n} query {what} in one request; the limit is {self.config.max_queries} "
+                "(split the batch, or raise --max-queries)"
+            )
 
     def _decode(self, gen: ServedGeneration, images: list) -> np.ndarray:
         """Images (bytes, paths or PIL) -> uint8 ``[n, H, W, 3]`` for ``gen``'s encoder, one decode slot each."""
@@ -300,9 +322,18 @@ class SearchEngine:
             k = min(k, THRESHOLD_FIRST_K)
         return min(max(1, gen.ntotal), k + max(4, k // 4))
 
-    def _hits(self, gen: ServedGeneration, xq: np.ndarray, D: np.ndarray, I: np.ndarray, k: int,
-              exclude: int | None = None, min_score: float | None = None, flt: SearchFilter | None = None,
-              idf=None) -> list[dict]:
+    def _hits(
+        self,
+        gen: ServedGeneration,
+        xq: np.ndarray,
+        D: np.ndarray,
+        I: np.ndarray,
+        k: int,
+        exclude: int | None = None,
+        min_score: float | None = None,
+        flt: SearchFilter | None = None,
+        idf=None,
+    ) -> list[dict]:
         """The first ``k`` live neighbours from ``(D, I)``, searching deeper while tombstones (or the size range
         of ``flt``) ate some.
 
@@ -312,6 +343,7 @@ class SearchEngine:
         result is still above the threshold (IVF-PQ re-ranked, GPU copies, custom factory strings, filters).
         With ``idf`` (the id filter of ``flt``): ``(D, I)`` are searched again with it.
         """
+
         def deeper(depth: int):
             return tuple(row[0] for row in gen.search(xq[None], depth, idf))
 
@@ -334,8 +366,11 @@ class SearchEngine:
             ids = [int(i) for i in I[keep] if i != exclude]
             records = gen.directory.records(ids)
             score = {int(i): float(s) for s, i in zip(D, I)}
-            hits = [dict(rec, score=score[rec["id"]]) for rec in records
-                    if rec is not None and (flt is None or flt.accepts(rec))]
+            hits = [
+                dict(rec, score=score[rec["id"]])
+                for rec in records
+                if rec is not None and (flt is None or flt.accepts(rec))
+            ]
             if len(hits) >= k or fetched >= gen.ntotal or (min_score is not None and not (flt and flt.sized)):
                 return hits[:k]
             if min_score is not None and len(I) and I[-1] >= 0 and D[-1] < min_score:
@@ -343,8 +378,18 @@ class SearchEngine:
             fetched = min(gen.ntotal, 2 * fetched)
             D, I = deeper(fetched)
 
-    def _results(self, gen: ServedGeneration, out, n: int, k: int, min_score: float | None, t0: float, t1: float,
-                 t2: float, flt: SearchFilter | None = None) -> list[SearchResult]:
+    def _results(
+        self,
+        gen: ServedGeneration,
+        out,
+        n: int,
+        k: int,
+        min_score: float | None,
+        t0: float,
+        t1: float,
+        t2: float,
+        flt: SearchFilter | None = None,
+    ) -> list[SearchResult]:
         """The batch's rows -> results: read the hits' records, attach the phase timings."""
         results = []
         idf = gen.id_filter(flt)
@@ -359,8 +404,9 @@ class SearchEngine:
         self._count(n)
         return results
 
-    def _neighbours(self, images: list, k: int, min_score: float | None = None,
-                    flt: SearchFilter | None = None) -> list[SearchResult]:
+    def _neighbours(
+        self, images: list, k: int, min_score: float | None = None, flt: SearchFilter | None = None
+    ) -> list[SearchResult]:
         """Decode in this thread, embed + search in a micro-batch, read the records in this thread."""
         with self._generation() as gen:
             t0 = time.perf_counter()
@@ -370,8 +416,9 @@ class SearchEngine:
             out = self._batcher.submit(gen, rows, self._fetch_k(gen, k, min_score)).result()
             return self._results(gen, out, len(images), k, min_score, t0, t1, time.perf_counter(), flt)
 
-    async def _neighbours_async(self, images: list, k: int, min_score: float | None = None,
-                                flt: SearchFilter | None = None) -> list[SearchResult]:
+    async def _neighbours_async(
+        self, images: list, k: int, min_score: float | None = None, flt: SearchFilter | None = None
+    ) -> list[SearchResult]:
         """Decode on a decode thread, which hands the rows straight to the batcher; the batch's end wakes the
         event loop once (one loop wake-up per request instead of two: measured +6% requests/s at 8 clients),
         which reads the records (LMDB reads of a published store: memory-mapped, lock-free, microseconds).
@@ -427,8 +474,9 @@ class SearchEngine:
         finally:
             gen.release()
 
-    def search(self, images: list, k: int | None = None, min_score: float | None = None,
-               flt: SearchFilter | None = None) -> list[SearchResult]:
+    def search(
+        self, images: list, k: int | None = None, min_score: float | None = None, flt: SearchFilter | None = None
+    ) -> list[SearchResult]:
         """The ``k`` nearest items to each query image, or every item scoring at least ``min_score``.
 
         Args:
@@ -448,8 +496,9 @@ class SearchEngine:
         k = self.resolve_k(k, min_score)
         return self._neighbours(images, k, min_score, flt)
 
-    def search_vectors(self, xq: np.ndarray, k: int | None = None, min_score: float | None = None,
-                       flt: SearchFilter | None = None) -> list[SearchResult]:
+    def search_vectors(
+        self, xq: np.ndarray, k: int | None = None, min_score: float | None = None, flt: SearchFilter | None = None
+    ) -> list[SearchResult]:
         """The ``k`` nearest items to each query vector (``min_score``: as in :meth:`search`).
 
         Args:
@@ -467,22 +516,32 @@ class SearchEngine:
                 raise DataError(f"query vectors must be a float32 [n, {d}] array, got shape {list(xq.shape)}")
             norms = np.linalg.norm(xq, axis=1)
             if not np.all(np.isfinite(xq)) or np.abs(norms - 1).max() > 1e-3:
-                raise DataError("query vectors must be finite and L2-normalized (unit rows), as the encoder makes "
-                                "them")
+                raise DataError("query vectors must be finite and L2-normalized (unit rows), as the encoder makes them")
             t0 = time.perf_counter()
             idf = gen.id_filter(flt)
             D, I = gen.search(np.ascontiguousarray(xq), self._fetch_k(gen, k, min_score), idf)
             t1 = time.perf_counter()
-            results = [SearchResult(self._hits(gen, q, d_row, i_row, k, min_score=min_score, flt=flt, idf=idf),
-                                    gen.name, {}, len(xq)) for q, d_row, i_row in zip(xq, D, I)]
+            results = [
+                SearchResult(
+                    self._hits(gen, q, d_row, i_row, k, min_score=min_score, flt=flt, idf=idf), gen.name, {}, len(xq)
+                )
+                for q, d_row, i_row in zip(xq, D, I)
+            ]
             t2 = time.perf_counter()
         for res in results:
             res.timings = {"search": (t1 - t0) / len(xq), "metadata": (t2 - t1) / len(xq), "total": (t2 - t0) / len(xq)}
         self._count(len(xq))
         return results
 
-    def _by_id(self, gen: ServedGeneration, item_id: int, k: int, min_score: float | None,
-               flt: SearchFilter | None = None, idf=None) -> SearchResult:
+    def _by_id(
+        self,
+        gen: ServedGeneration,
+        item_id: int,
+        k: int,
+        min_score: float | None,
+        flt: SearchFilter | None = None,
+        idf=None,
+    ) -> SearchResult:
         t0 = time.perf_counter()
         query = self._record(gen, item_id)
         xq = gen.vector(item_id)
@@ -496,12 +555,19 @@ class SearchEngine:
         t2 = time.perf_counter()
         hits = self._hits(gen, xq, D[0], I[0], k, exclude=int(item_id), min_score=min_score, flt=flt, idf=idf)
         t3 = time.perf_counter()
-        timings = {"decode": 0.0, "queue": 0.0, "embed": t1 - t0, "search": t2 - t1, "metadata": t3 - t2,
-                   "total": t3 - t0}
+        timings = {
+            "decode": 0.0,
+            "queue": 0.0,
+            "embed": t1 - t0,
+            "search": t2 - t1,
+            "metadata": t3 - t2,
+            "total": t3 - t0,
+        }
         return SearchResult(hits, gen.name, timings, 1, query=query)
 
-    def search_by_id(self, item_id: int, k: int | None = None, min_score: float | None = None,
-                     flt: SearchFilter | None = None) -> SearchResult:
+    def search_by_id(
+        self, item_id: int, k: int | None = None, min_score: float | None = None, flt: SearchFilter | None = None
+    ) -> SearchResult:
         """The ``k`` nearest items to an indexed item (the item itself left out); ``min_score`` as in
         :meth:`search`.
 
@@ -511,8 +577,9 @@ class SearchEngine:
         (res,) = self.search_by_ids([item_id], k, min_score, flt)
         return res
 
-    def search_by_ids(self, item_ids: list[int], k: int | None = None, min_score: float | None = None,
-                      flt: SearchFilter | None = None) -> list[SearchResult]:
+    def search_by_ids(
+        self, item_ids: list[int], k: int | None = None, min_score: float | None = None, flt: SearchFilter | None = None
+    ) -> list[SearchResult]:
         """:meth:`search_by_id` for several items, answered in their order from one generation.
 
         Raises:
@@ -536,8 +603,9 @@ class SearchEngine:
         """
         return self.search_by_id(item_id, None, threshold)
 
-    def search_async(self, images: list, k: int | None = None, min_score: float | None = None,
-                     flt: SearchFilter | None = None):
+    def search_async(
+        self, images: list, k: int | None = None, min_score: float | None = None, flt: SearchFilter | None = None
+    ):
         """:meth:`search` for an asyncio caller: a coroutine that decodes on the engine's decode threads and
         awaits the micro-batch without holding a thread (the HTTP API)."""
         k = self.resolve_k(k, min_score)
@@ -552,8 +620,10 @@ class SearchEngine:
             raise ConfigError(f"temperature must be a positive number, got {temperature!r}")
         with self._generation() as gen:
             if not gen.labels():
-                raise ArtifactError(f"index {self.index_dir} has no labels to vote with; index a folder with one "
-                                    "subfolder per class to classify")
+                raise ArtifactError(
+                    f"index {self.index_dir} has no labels to vote with; index a folder with one "
+                    "subfolder per class to classify"
+                )
         return k, temperature
 
     @staticmethod
@@ -566,8 +636,7 @@ class SearchEngine:
             out.append(Classification(label, probs, res.hits, res.generation, res.timings, res.batch_size))
         return out
 
-    def classify(self, images: list, k: int | None = None,
-                 temperature: float | None = None) -> list[Classification]:
+    def classify(self, images: list, k: int | None = None, temperature: float | None = None) -> list[Classification]:
         """k-NN classification: the labels of the ``k`` nearest items (default ``config.knn_k``, the one default of
         the CLI, the API and the web app) vote with weights ``exp(s / T)``.
 
@@ -584,8 +653,9 @@ class SearchEngine:
         (out,) = self._votes([self.search_by_id(item_id, k)], temperature)
         return out
 
-    async def classify_async(self, images: list, k: int | None = None,
-                             temperature: float | None = None) -> list[Classification]:
+    async def classify_async(
+        self, images: list, k: int | None = None, temperature: float | None = None
+    ) -> list[Classification]:
         """:meth:`classify` for an asyncio caller (see :meth:`search_async`)."""
         k, temperature = self._check_classify(k, temperature)
         return self._votes(await self._neighbours_async(images, k), temperature)
@@ -593,7 +663,7 @@ class SearchEngine:
     # -- items and statistics ----------------------------------------------------------------------------------
     @staticmethod
     def _record(gen: ServedGeneration, item_id: int) -> dict:
-        rec = gen.directory.record(int(item_id)) if 0 <= int(item_id) < 2 ** 63 else None
+        rec = gen.directory.record(int(item_id)) if 0 <= int(item_id) < 2**63 else None
         if rec is None:
             raise UnknownItemError(f"no item with id {item_id} in this index; ids come from search results")
         return rec
@@ -669,8 +739,12 @@ class SearchEngine:
                 "items": gen.ntotal,
                 "labels": labels,
                 "model": model_summary(enc.metadata) | {"sha256": enc.sha256, "provider": enc.provider},
-                "index": {"factory": m.factory, "metric": m.metric, "type": type(gen.directory.index).__name__,
-                          "recall_at_10": m.recall_at_10},
+                "index": {
+                    "factory": m.factory,
+                    "metric": m.metric,
+                    "type": type(gen.directory.index).__name__,
+                    "recall_at_10": m.recall_at_10,
+                },
                 "created_at": m.created_at,
                 "updated_at": m.updated_at,
                 "queries_served": self.queries,

@@ -13,6 +13,7 @@ content. :func:`open_indexed_file` serves it only when, at request time, the pat
 Otherwise it raises :class:`~contracts.errors.ImageGoneError` (HTTP 410) with the reason in one line; re-running
 ``moco index`` updates or drops the item.
 """
+
 from __future__ import annotations
 
 import os
@@ -50,8 +51,9 @@ def open_indexed_file(image_root: str | os.PathLike, record: dict) -> tuple[Bina
         if not stat.S_ISREG(st.st_mode):
             raise ImageGoneError(f"{what} is no longer a regular file; {rerun}")
         if st.st_size != record.get("bytes", st.st_size) or st.st_mtime_ns != record.get("mtime_ns", st.st_mtime_ns):
-            raise ImageGoneError(f"{what} changed since it was indexed ({st.st_size} bytes now, "
-                                 f"{record.get('bytes')} indexed); {rerun}")
+            raise ImageGoneError(
+                f"{what} changed since it was indexed ({st.st_size} bytes now, {record.get('bytes')} indexed); {rerun}"
+            )
         return os.fdopen(fd, "rb"), st
     except BaseException:
         os.close(fd)

@@ -7,6 +7,7 @@ generation replaces it, it is closed only after the last request using it has fi
 LMDB allows one open environment per store per process, so engines of one process that serve the same
 generation share its :class:`IndexDirectory` (:func:`open_directory`); it is closed with its last user.
 """
+
 from __future__ import annotations
 
 import logging
@@ -96,15 +97,26 @@ class ServedGeneration:
         self._labels: dict[str, int] | None = None
         self._filters_lock = threading.Lock()
         self._filter_bits: dict[tuple[str, str], np.ndarray] = {}  # (kind, key) -> bits, least recently used first
-        exact = (Factory.parse(self.manifest.factory).kind in ("flat", "hnsw", "ivf")
-                 or "refine" in self.manifest.search_params)
+        exact = (
+            Factory.parse(self.manifest.factory).kind in ("flat", "hnsw", "ivf")
+            or "refine" in self.manifest.search_params
+        )
         self._score_slack = SCORE_SLACK if exact else LOSSY_SCORE_SLACK
         self._damage_logged = False
 
     @classmethod
-    def open(cls, index_dir: str | os.PathLike, *, model: str | os.PathLike | None, reuse: OnnxEncoder | None,
-             device: str, threads: int | None, faiss_threads: int | None, spin: bool,
-             faiss_gpu: str) -> "ServedGeneration":
+    def open(
+        cls,
+        index_dir: str | os.PathLike,
+        *,
+        model: str | os.PathLike | None,
+        reuse: OnnxEncoder | None,
+        device: str,
+        threads: int | None,
+        faiss_threads: int | None,
+        spin: bool,
+        faiss_gpu: str,
+    ) -> "ServedGeneration":
         """Open the live generation of ``index_dir`` with its own encoder (or ``model``) and check them. The
         options have no defaults here: they are :class:`~serve.engine.EngineConfig`'s, stated once there.
 
@@ -126,11 +138,17 @@ class ServedGeneration:
             else:
                 if model is None:  # the index's own copy: refused (damaged, replaced) before ONNX Runtime parses it
                     check_encoder_copy(directory.encoder_path, manifest, str(index_dir))
-                encoder = OnnxEncoder(model if model is not None else directory.encoder_path, device=device,
-                                      threads=threads, spin=spin)
-            manifest.check_encoder(encoder.sha256, encoder.embedding_dim, encoder.path, str(index_dir),
-                                   "serve it with the model it was built with, or rebuild it with `moco index "
-                                   f"IMAGE_DIR --model {encoder.path} --out {index_dir}`")
+                encoder = OnnxEncoder(
+                    model if model is not None else directory.encoder_path, device=device, threads=threads, spin=spin
+                )
+            manifest.check_encoder(
+                encoder.sha256,
+                encoder.embedding_dim,
+                encoder.path,
+                str(index_dir),
+                "serve it with the model it was built with, or rebuild it with `moco index "
+                f"IMAGE_DIR --model {encoder.path} --out {index_dir}`",
+            )
         except BaseException:
             close_directory(directory)
             raise
@@ -212,14 +230,15 @@ class ServedGeneration:
             known = self.labels()
             unknown = [label for label in flt.labels if label not in known]
             if unknown:
-                raise ConfigError(f"unknown label {', '.join(map(repr, unknown))}; the labels of this index: "
-                                  f"{', '.join(sorted(known)) or 'none (unlabeled corpus)'}")
+                raise ConfigError(
+                    f"unknown label {', '.join(map(repr, unknown))}; the labels of this index: "
+                    f"{', '.join(sorted(known)) or 'none (unlabeled corpus)'}"
+                )
             bits = np.zeros(next_id, dtype=bool)
             for label in flt.labels:
                 bits |= self._id_bits("label", label, lambda label=label: self.directory.label_ids(label))
         if flt.path_prefix:
-            prefix = self._id_bits("prefix", flt.path_prefix,
-                                   lambda: self.directory.path_prefix_ids(flt.path_prefix))
+            prefix = self._id_bits("prefix", flt.path_prefix, lambda: self.directory.path_prefix_ids(flt.path_prefix))
             bits = prefix.copy() if bits is None else bits & prefix
         if bits is None:
             bits = np.ones(next_id, dtype=bool)
@@ -239,8 +258,7 @@ class ServedGeneration:
             if self.faiss_threads is not None:  # an OpenMP setting is per calling thread: set it in this one
                 faiss.omp_set_num_threads(self.faiss_threads)
             xq = np.ascontiguousarray(xq, dtype=np.float32)
-            D, I = (self.directory.index.search(xq, k) if filt is None else
-                    self.directory.index.search(xq, k, filt))
+            D, I = self.directory.index.search(xq, k) if filt is None else self.directory.index.search(xq, k, filt)
         self._check_results(D, I)
         return D, I
 
@@ -271,11 +289,16 @@ class ServedGeneration:
         if not bad.any():
             return
         q, j = (int(a[0]) for a in np.nonzero(bad))
-        what = (f"item {int(I[q, j])} at a score of {float(D[q, j]):.4g}, outside [-1, 1] for normalized vectors"
-                if 0 <= I[q, j] < self.manifest.next_id else f"the id {int(I[q, j])}, which it never gave out")
-        message = (f"generation {self.name} of {self.directory.path} answered {what}: its FAISS files are damaged; "
-                   f"check it with `moco index --verify --out {self.directory.path}` and rebuild with "
-                   "`moco index --rebuild`")
+        what = (
+            f"item {int(I[q, j])} at a score of {float(D[q, j]):.4g}, outside [-1, 1] for normalized vectors"
+            if 0 <= I[q, j] < self.manifest.next_id
+            else f"the id {int(I[q, j])}, which it never gave out"
+        )
+        message = (
+            f"generation {self.name} of {self.directory.path} answered {what}: its FAISS files are damaged; "
+            f"check it with `moco index --verify --out {self.directory.path}` and rebuild with "
+            "`moco index --rebuild`"
+        )
         if not self._damage_logged:  # once per generation: a damaged index under load would flood the log
             LOG.error("refused a search result: %s", message)
             self._damage_logged = True

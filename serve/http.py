@@ -23,6 +23,7 @@ decoding happens off the event loop, at most ``decode_slots`` at once (:mod:`ser
 is served only while it is still the indexed file (:mod:`serve.files`). File names are shown readably
 (:func:`contracts.filenames.display_name`: bytes that are not UTF-8 as ``\\xNN``) in ``path`` and ``label``.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -47,7 +48,7 @@ from moco_retrieval.serve.engine import DUPLICATE_THRESHOLD, EngineConfig, Searc
 LOG = logging.getLogger(__name__)
 
 MAX_UPLOAD_BYTES = 32 << 20  # an upload larger than this is refused with 413 before it is decoded
-MULTIPART_ROOM = 64 << 10    # a request body may exceed the upload limit by this much: the multipart framing
+MULTIPART_ROOM = 64 << 10  # a request body may exceed the upload limit by this much: the multipart framing
 # Upload bytes held in memory at once by all requests of a process (8 of the largest). Starlette spools each upload
 # to disk past 1 MiB while it arrives; reading it for the decode is what holds memory, so a request past this
 # waits for others to finish (measured before: 100 concurrent 31 MiB uploads took RSS from 591 MB to 2,249 MB).
@@ -124,18 +125,27 @@ MIN_SCORE_HELP = "keep only neighbours with a cosine similarity of at least this
 class FilterParams:
     """The filter query parameters every search route takes (``label`` and ``exclude`` repeatable)."""
 
-    def __init__(self,
-                 label: list[str] | None = Query(None, description="only items with this label; repeat for several"),
-                 path_prefix: str | None = Query(None, description="only items whose relative path starts with "
-                                                 "this (a folder: `shoes/`)"),
-                 min_width: int | None = Query(None, description="only images at least this wide (pixels)"),
-                 max_width: int | None = Query(None, description="only images at most this wide (pixels)"),
-                 min_height: int | None = Query(None, description="only images at least this tall (pixels)"),
-                 max_height: int | None = Query(None, description="only images at most this tall (pixels)"),
-                 exclude: list[int] | None = Query(None, description="never these item ids; repeatable")):
-        self.values = dict(labels=tuple(label or ()), path_prefix=path_prefix, min_width=min_width,
-                           max_width=max_width, min_height=min_height, max_height=max_height,
-                           exclude=tuple(exclude or ()))
+    def __init__(
+        self,
+        label: list[str] | None = Query(None, description="only items with this label; repeat for several"),
+        path_prefix: str | None = Query(
+            None, description="only items whose relative path starts with this (a folder: `shoes/`)"
+        ),
+        min_width: int | None = Query(None, description="only images at least this wide (pixels)"),
+        max_width: int | None = Query(None, description="only images at most this wide (pixels)"),
+        min_height: int | None = Query(None, description="only images at least this tall (pixels)"),
+        max_height: int | None = Query(None, description="only images at most this tall (pixels)"),
+        exclude: list[int] | None = Query(None, description="never these item ids; repeatable"),
+    ):
+        self.values = dict(
+            labels=tuple(label or ()),
+            path_prefix=path_prefix,
+            min_width=min_width,
+            max_width=max_width,
+            min_height=min_height,
+            max_height=max_height,
+            exclude=tuple(exclude or ()),
+        )
 
     def filter(self, form_labels: list[str] | None = None):
         """The :class:`~serve.engine.SearchFilter` (labels of the form field too), or ``None`` when empty.
@@ -275,12 +285,17 @@ def add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):
         LOG.exception("unexpected error answering %s %s", request.method, request.url.path)
-        return JSONResponse({"error": f"internal error ({type(exc).__name__}); the server log has the details"},
-                            status_code=500)
+        return JSONResponse(
+            {"error": f"internal error ({type(exc).__name__}); the server log has the details"}, status_code=500
+        )
 
 
-def create_app(engine: SearchEngine | str | os.PathLike, max_upload_bytes: int = MAX_UPLOAD_BYTES,
-               upload_bytes_in_flight: int = UPLOAD_BYTES_IN_FLIGHT, metrics: bool = True) -> FastAPI:
+def create_app(
+    engine: SearchEngine | str | os.PathLike,
+    max_upload_bytes: int = MAX_UPLOAD_BYTES,
+    upload_bytes_in_flight: int = UPLOAD_BYTES_IN_FLIGHT,
+    metrics: bool = True,
+) -> FastAPI:
     """The FastAPI application serving ``engine`` (or a new engine over an index directory path).
 
     An engine created here is closed when the application shuts down; a passed-in engine stays the caller's.
@@ -309,15 +324,16 @@ def create_app(engine: SearchEngine | str | os.PathLike, max_upload_bytes: int =
         version=__version__,  # the package's: the API is versioned with it
         summary="Nearest-neighbour image search and k-NN classification over a `moco index` directory.",
         description="Upload an image to `/api/search` (multipart field `image`) to get the most similar "
-                    "images of the corpus, or to `/api/classify` for a label voted by its labeled neighbours. "
-                    "Errors are JSON `{\"error\": \"...\"}`.",
+        "images of the corpus, or to `/api/classify` for a label voted by its labeled neighbours. "
+        'Errors are JSON `{"error": "..."}`.',
         lifespan=lifespan,
     )
     app.state.engine = engine
     add_error_handlers(app)
 
-    app.add_middleware(UploadLimit, limit=max_upload_bytes + MULTIPART_ROOM,
-                       message=_too_large_message(max_upload_bytes))
+    app.add_middleware(
+        UploadLimit, limit=max_upload_bytes + MULTIPART_ROOM, message=_too_large_message(max_upload_bytes)
+    )
     uploads = ByteBudget(upload_bytes_in_flight)
     app.state.uploads = uploads
     observe = None
@@ -335,15 +351,18 @@ def create_app(engine: SearchEngine | str | os.PathLike, max_upload_bytes: int =
             body, content_type = served.exposition()
             return Response(body, media_type=content_type)
 
-    @app.post("/api/search", response_model=SearchResponse | BatchSearchResponse, responses=_ERRORS,
-              tags=["search"])
-    async def search(image: list[UploadFile] = File(..., description="the query image (JPEG, PNG, WebP, ...); "
-                                                    "repeat the field for a batch, answered in order"),
-                     k: int | None = Query(None, description=K_HELP),
-                     min_score: float | None = Query(None, description=MIN_SCORE_HELP),
-                     filters: FilterParams = Depends(),
-                     label: list[str] | None = Form(None, description="only items with this label (a form field, "
-                                                    "as the query parameter `label`); repeatable")):
+    @app.post("/api/search", response_model=SearchResponse | BatchSearchResponse, responses=_ERRORS, tags=["search"])
+    async def search(
+        image: list[UploadFile] = File(
+            ..., description="the query image (JPEG, PNG, WebP, ...); repeat the field for a batch, answered in order"
+        ),
+        k: int | None = Query(None, description=K_HELP),
+        min_score: float | None = Query(None, description=MIN_SCORE_HELP),
+        filters: FilterParams = Depends(),
+        label: list[str] | None = Form(
+            None, description="only items with this label (a form field, as the query parameter `label`); repeatable"
+        ),
+    ):
         """The `k` indexed images most similar to the uploaded one, best first (cosine similarity); with
         `min_score`, every one at least that similar (up to `k`); with filters, only the items they allow.
         Several `image` fields: a batch, answered as `responses` in request order (at most the server's
@@ -360,25 +379,39 @@ def create_app(engine: SearchEngine | str | os.PathLike, max_upload_bytes: int =
                 observe(res.timings)
         if len(results) == 1:
             return search_answer(results[0], k, min_score)
-        return {"generation": results[0].generation, "k": k, "min_score": min_score,
-                "responses": [search_answer(res, k, min_score) for res in results]}
+        return {
+            "generation": results[0].generation,
+            "k": k,
+            "min_score": min_score,
+            "responses": [search_answer(res, k, min_score) for res in results],
+        }
 
     @app.post("/api/search/ids", response_model=BatchSearchResponse, responses=_ERRORS, tags=["search"])
-    def search_ids(body: IdsRequest, k: int | None = Query(None, description=K_HELP),
-                   min_score: float | None = Query(None, description=MIN_SCORE_HELP),
-                   filters: FilterParams = Depends()):
+    def search_ids(
+        body: IdsRequest,
+        k: int | None = Query(None, description=K_HELP),
+        min_score: float | None = Query(None, description=MIN_SCORE_HELP),
+        filters: FilterParams = Depends(),
+    ):
         """The neighbours of several indexed items (JSON body `{"ids": [...]}`, each item itself left out),
         answered as `responses` in the order of the ids (at most the server's max_queries)."""
         results = engine.search_by_ids(body.ids, k, min_score, filters.filter())
         k = engine.resolve_k(k, min_score)
-        return {"generation": results[0].generation, "k": k, "min_score": min_score,
-                "responses": [search_answer(res, k, min_score) for res in results]}
+        return {
+            "generation": results[0].generation,
+            "k": k,
+            "min_score": min_score,
+            "responses": [search_answer(res, k, min_score) for res in results],
+        }
 
     @app.post("/api/classify", response_model=ClassifyResponse, responses=_ERRORS, tags=["search"])
-    async def classify(image: UploadFile = File(..., description="the image to classify"),
-                       k: int | None = Query(None, description="neighbours that vote (default: the server's "
-                                             f"--knn-k, {KNN_K} unless set)"),
-                       temperature: float = Query(KNN_TEMPERATURE, description="vote weight exp(score / T)")):
+    async def classify(
+        image: UploadFile = File(..., description="the image to classify"),
+        k: int | None = Query(
+            None, description=f"neighbours that vote (default: the server's --knn-k, {KNN_K} unless set)"
+        ),
+        temperature: float = Query(KNN_TEMPERATURE, description="vote weight exp(score / T)"),
+    ):
         """k-NN classification: labeled neighbours vote with weight exp(score / temperature)."""
         k = engine.config.knn_k if k is None else k
         async with uploads.hold(image.size or max_upload_bytes):
@@ -406,22 +439,33 @@ def create_app(engine: SearchEngine | str | os.PathLike, max_upload_bytes: int =
         return StreamingResponse(_chunks(f), media_type=media_type, headers=headers)
 
     @app.get("/api/items/{item_id}/neighbors", response_model=SearchResponse, responses=_ERRORS, tags=["items"])
-    def neighbors(item_id: int, k: int | None = Query(None, description=K_HELP),
-                  min_score: float | None = Query(None, description=MIN_SCORE_HELP),
-                  filters: FilterParams = Depends()):
+    def neighbors(
+        item_id: int,
+        k: int | None = Query(None, description=K_HELP),
+        min_score: float | None = Query(None, description=MIN_SCORE_HELP),
+        filters: FilterParams = Depends(),
+    ):
         """The `k` items most similar to an indexed item (the item itself left out); with `min_score`, every one
         at least that similar (up to `k`); with filters, only the items they allow."""
         res = engine.search_by_id(item_id, k, min_score, filters.filter())
         return search_answer(res, engine.resolve_k(k, min_score), min_score)
 
     @app.get("/api/items/{item_id}/duplicates", responses=_ERRORS, tags=["items"])
-    def duplicates(item_id: int, threshold: float = Query(DUPLICATE_THRESHOLD, description="cosine similarity at "
-                                                          "which two images count as duplicates, -1 to 1")):
+    def duplicates(
+        item_id: int,
+        threshold: float = Query(
+            DUPLICATE_THRESHOLD, description="cosine similarity at which two images count as duplicates, -1 to 1"
+        ),
+    ):
         """The near-duplicates of an indexed item: every other item at least `threshold` similar (re-encodes,
         crops, resizes, copies), best first; `moco duplicates` groups the whole index the same way."""
         res = engine.duplicates(item_id, threshold)
-        return {"generation": res.generation, "threshold": threshold, "query": public_record(res.query),
-                "duplicates": [public_record(h) for h in res.hits]}
+        return {
+            "generation": res.generation,
+            "threshold": threshold,
+            "query": public_record(res.query),
+            "duplicates": [public_record(h) for h in res.hits],
+        }
 
     @app.get("/api/health", response_model=Health, tags=["service"])
     def health():
@@ -435,16 +479,28 @@ def create_app(engine: SearchEngine | str | os.PathLike, max_upload_bytes: int =
         stats = engine.stats()
         return dict(stats, labels={display_name(label): n for label, n in stats["labels"].items()})
 
-    @app.api_route("/api/{rest:path}", methods=["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"],
-                   include_in_schema=False)
+    @app.api_route(
+        "/api/{rest:path}",
+        methods=["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"],
+        include_in_schema=False,
+    )
     def unknown_endpoint(request: Request, rest: str):
         # registered last: keeps unknown /api/ paths from falling through to the UI mounted at "/"
         path = request.url.path
-        allowed = sorted({m for r in app.router.routes if isinstance(r, APIRoute) and r.endpoint is not unknown_endpoint
-                          and r.path_regex.match(path) for m in r.methods})
+        allowed = sorted(
+            {
+                m
+                for r in app.router.routes
+                if isinstance(r, APIRoute) and r.endpoint is not unknown_endpoint and r.path_regex.match(path)
+                for m in r.methods
+            }
+        )
         if allowed:  # a real endpoint, asked with another method
-            raise StarletteHTTPException(405, f"{request.method} is not allowed on {path}; use {' or '.join(allowed)}",
-                                         headers={"Allow": ", ".join(allowed)})
+            raise StarletteHTTPException(
+                405,
+                f"{request.method} is not allowed on {path}; use {' or '.join(allowed)}",
+                headers={"Allow": ", ".join(allowed)},
+            )
         raise StarletteHTTPException(404, f"no endpoint /api/{rest}; see /docs for the API")
 
     return app

@@ -17,6 +17,7 @@ Under ``moco serve --workers N`` every worker writes its samples to files in ``P
 answers ``/metrics`` reports all of them: counters and histograms summed, the gauges one series per worker
 (``pid`` label). The gauges are refreshed once a second by each process and at each scrape.
 """
+
 from __future__ import annotations
 
 import os
@@ -44,22 +45,39 @@ class ServeMetrics:
         self.registry = CollectorRegistry()  # its own: several apps in one process (tests) do not collide
         r = self.registry
         gauge = {"multiprocess_mode": "all"}  # one series per worker (pid label) under --workers
-        self.requests = Counter("moco_http_requests", "HTTP requests answered", ["route", "method", "status"],
-                                registry=r)
-        self.latency = Histogram("moco_http_request_seconds", "time to answer an HTTP request",
-                                 ["route", "method"], buckets=BUCKETS, registry=r)
-        self.phases = Histogram("moco_query_phase_seconds", "engine time per query image and phase", ["phase"],
-                                buckets=BUCKETS, registry=r)
-        self.queue_depth = Gauge("moco_batcher_queue_depth", "query batches waiting for the encoder",
-                                 registry=r, **gauge)
+        self.requests = Counter(
+            "moco_http_requests", "HTTP requests answered", ["route", "method", "status"], registry=r
+        )
+        self.latency = Histogram(
+            "moco_http_request_seconds",
+            "time to answer an HTTP request",
+            ["route", "method"],
+            buckets=BUCKETS,
+            registry=r,
+        )
+        self.phases = Histogram(
+            "moco_query_phase_seconds", "engine time per query image and phase", ["phase"], buckets=BUCKETS, registry=r
+        )
+        self.queue_depth = Gauge(
+            "moco_batcher_queue_depth", "query batches waiting for the encoder", registry=r, **gauge
+        )
         self.items = Gauge("moco_index_items", "items in the live generation", registry=r, **gauge)
-        self.generation = Gauge("moco_index_generation", "number of the live generation (g000003 -> 3)",
-                                registry=r, **gauge)
-        self.last_swap = Gauge("moco_index_last_swap_timestamp_seconds",
-                               "when this process last switched to a new generation (its start if never)",
-                               registry=r, **gauge)
-        self.encoder = Gauge("moco_encoder_info", "the encoder: its execution provider, architecture, sha256",
-                             ["provider", "arch", "sha256"], registry=r, **gauge)
+        self.generation = Gauge(
+            "moco_index_generation", "number of the live generation (g000003 -> 3)", registry=r, **gauge
+        )
+        self.last_swap = Gauge(
+            "moco_index_last_swap_timestamp_seconds",
+            "when this process last switched to a new generation (its start if never)",
+            registry=r,
+            **gauge,
+        )
+        self.encoder = Gauge(
+            "moco_encoder_info",
+            "the encoder: its execution provider, architecture, sha256",
+            ["provider", "arch", "sha256"],
+            registry=r,
+            **gauge,
+        )
         self._swaps_seen, self._started = -1, time.time()
         self.refresh()
         threading.Thread(target=self._refresh_forever, name="moco-metrics", daemon=True).start()

@@ -1,4 +1,5 @@
 """What a search may return, by what the metadata knows: :class:`SearchFilter`."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -37,7 +38,11 @@ class SearchFilter:
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0):
                 raise ConfigError(f"{name} must be a whole number of pixels, 0 or more, got {value!r}")
         for low, high in (("min_width", "max_width"), ("min_height", "max_height")):
-            if getattr(self, low) is not None and getattr(self, high) is not None and getattr(self, low) > getattr(self, high):
+            if (
+                getattr(self, low) is not None
+                and getattr(self, high) is not None
+                and getattr(self, low) > getattr(self, high)
+            ):
                 raise ConfigError(f"{low} ({getattr(self, low)}) is larger than {high} ({getattr(self, high)})")
         object.__setattr__(self, "labels", tuple(self.labels or ()))
         object.__setattr__(self, "exclude", tuple(int(i) for i in (self.exclude or ())))
@@ -54,9 +59,12 @@ class SearchFilter:
         w, h = rec.get("width"), rec.get("height")
         if w is None or h is None:
             return False
-        return ((self.min_width is None or w >= self.min_width) and (self.max_width is None or w <= self.max_width)
-                and (self.min_height is None or h >= self.min_height)
-                and (self.max_height is None or h <= self.max_height))
+        return (
+            (self.min_width is None or w >= self.min_width)
+            and (self.max_width is None or w <= self.max_width)
+            and (self.min_height is None or h >= self.min_height)
+            and (self.max_height is None or h <= self.max_height)
+        )
 
     def __bool__(self) -> bool:
         return bool(self.labels or self.path_prefix or self.exclude or self.sized)

@@ -5,6 +5,7 @@ format ``moco train`` writes. The BN running statistics are randomised (so eval-
 and the momentum (key) encoder gets different weights from the query encoder, so a test can tell which one
 an export used.
 """
+
 from __future__ import annotations
 
 from pathlib import Path

@@ -4,6 +4,7 @@
 
 Each rank writes ``OUT_PREFIX.rank<R>.pt`` with its model's parameters and buffers after training.
 """
+
 import os
 import sys
 
@@ -17,9 +18,11 @@ def main() -> None:
     config_path, prefix = sys.argv[1], sys.argv[2]
     cfg = TrainConfig.load(config_path)
     result = train(cfg)
-    state = {"params": {k: v.detach().cpu() for k, v in result.model.named_parameters()},
-             "buffers": {k: v.detach().cpu() for k, v in result.model.named_buffers()},
-             "steps": result.steps}
+    state = {
+        "params": {k: v.detach().cpu() for k, v in result.model.named_parameters()},
+        "buffers": {k: v.detach().cpu() for k, v in result.model.named_buffers()},
+        "steps": result.steps,
+    }
     torch.save(state, f"{prefix}.rank{os.environ['RANK']}.pt")
 
 

@@ -2,6 +2,7 @@
 corpus, a random-init encoder exported to ONNX, a published index directory, an engine over it and a real
 uvicorn server of the whole application. The helpers they use live in :mod:`tests._serve_helpers`.
 """
+
 from __future__ import annotations
 
 import shutil

@@ -7,6 +7,7 @@ by shape: an untrained ResNet separates colours but not the demo's shapes (measu
 gets 13-37% k-NN accuracy on the 8 shape classes, chance is 12.5%), and these tests check the engine, not
 the model. The pytest fixtures over these live in :mod:`tests._serve_fixtures`.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -29,7 +30,7 @@ def write_colour_corpus(root: Path, per_class: int, seed: int, size: int = 32) -
             img = np.asarray(rgb, dtype=np.float64) * rng.uniform(0.7, 1.0) + rng.normal(0, 18, (size, size, 3))
             w, h = rng.integers(4, size // 2 + 1, size=2)
             x, y = rng.integers(0, size - w + 1), rng.integers(0, size - h + 1)
-            img[y:y + h, x:x + w] = rng.uniform(0, 255, size=3)
+            img[y : y + h, x : x + w] = rng.uniform(0, 255, size=3)
             Image.fromarray(np.clip(img, 0, 255).astype(np.uint8)).save(root / name / f"{name}_{i:03d}.png")
     return root
 
@@ -38,8 +39,7 @@ def build_index(image_dir: Path, encoder: Path, out: Path):
     """Run the real indexing pipeline (``moco index``) in this process, without worker processes."""
     from moco_retrieval.indexer.build import IndexConfig, build_index_dir
 
-    return build_index_dir(IndexConfig(str(image_dir), str(encoder), str(out), workers=0, progress=False,
-                                       device="cpu"))
+    return build_index_dir(IndexConfig(str(image_dir), str(encoder), str(out), workers=0, progress=False, device="cpu"))
 
 
 def build_index_in_subprocess(image_dir: Path, encoder: Path, out: Path) -> None:
@@ -48,10 +48,16 @@ def build_index_in_subprocess(image_dir: Path, encoder: Path, out: Path) -> None
     import subprocess
     import sys
 
-    code = ("import sys; from pathlib import Path; from tests._serve_helpers import build_index; "
-            "build_index(Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]))")
-    subprocess.run([sys.executable, "-c", code, str(image_dir), str(encoder), str(out)], check=True,
-                   cwd=Path(__file__).resolve().parents[1], timeout=300)
+    code = (
+        "import sys; from pathlib import Path; from tests._serve_helpers import build_index; "
+        "build_index(Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]))"
+    )
+    subprocess.run(
+        [sys.executable, "-c", code, str(image_dir), str(encoder), str(out)],
+        check=True,
+        cwd=Path(__file__).resolve().parents[1],
+        timeout=300,
+    )
 
 
 def export_random_encoder(out_dir: Path, seed: int = 0) -> Path:
@@ -87,8 +93,9 @@ class RunningServer:
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
-                                                   timeout_graceful_shutdown=2))  # SSE streams of the UI stay open
+        self.server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", timeout_graceful_shutdown=2)
+        )  # SSE streams of the UI stay open
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 30
@@ -114,10 +121,29 @@ def serve_workers_process(index: Path, workers: int = 2, *options: str):
     @contextlib.contextmanager
     def running():
         port = free_port()
-        proc = subprocess.Popen([sys.executable, "-m", "moco_retrieval", "serve", str(index), "--port", str(port),
-                                 "--workers", str(workers), "--device", "cpu", "--poll-seconds", "0", *options],
-                                cwd=Path(__file__).resolve().parents[1], env=dict(os.environ, PYTHONUNBUFFERED="1"),
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "moco_retrieval",
+                "serve",
+                str(index),
+                "--port",
+                str(port),
+                "--workers",
+                str(workers),
+                "--device",
+                "cpu",
+                "--poll-seconds",
+                "0",
+                *options,
+            ],
+            cwd=Path(__file__).resolve().parents[1],
+            env=dict(os.environ, PYTHONUNBUFFERED="1"),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         try:
             line = proc.stdout.readline()
             assert f"with {workers} workers" in line, (line, proc.stderr.read() if proc.poll() is not None else "")

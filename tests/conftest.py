@@ -1,5 +1,6 @@
 """Shared fixtures: small generated image folders (the embedded default data, at test size), and an image
 cache of the test session's own (never the user's ~/.cache)."""
+
 from __future__ import annotations
 
 import atexit
@@ -28,8 +29,18 @@ def tiny_train_config(data_dir: Path, out_dir: Path, **overrides):
     from moco_retrieval.trainer.config import TrainConfig
 
     values = dict(
-        data_dir=str(data_dir), out_dir=str(out_dir), arch="resnet18", stem="imagenet", image_size=32, epochs=2,
-        batch_size=16, queue_size=32, workers=0, device="cpu", knn_every=0, log_every=1,
+        data_dir=str(data_dir),
+        out_dir=str(out_dir),
+        arch="resnet18",
+        stem="imagenet",
+        image_size=32,
+        epochs=2,
+        batch_size=16,
+        queue_size=32,
+        workers=0,
+        device="cpu",
+        knn_every=0,
+        log_every=1,
     )
     values.update(overrides)
     return TrainConfig(**values)

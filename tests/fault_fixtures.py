@@ -8,6 +8,7 @@ also sent to ``POST /api/search``, which must answer that status (``message`` in
 
 Everything is small (the largest file is a 6000x4000 JPEG of one colour, 100 kB) and generated here.
 """
+
 from __future__ import annotations
 
 import io
@@ -24,9 +25,9 @@ from PIL import Image
 
 from moco_retrieval.contracts.images import MAX_IMAGE_PIXELS
 
-NON_UTF8 = os.fsdecode(b"caf\xe9.png")   # a Latin-1 name: not valid UTF-8
-NFC = "\u00e9t\u00e9.png"                # été.png, composed
-NFD = "e\u0301te\u0301.png"              # été.png, decomposed: another name, another file
+NON_UTF8 = os.fsdecode(b"caf\xe9.png")  # a Latin-1 name: not valid UTF-8
+NFC = "\u00e9t\u00e9.png"  # été.png, composed
+NFD = "e\u0301te\u0301.png"  # été.png, decomposed: another name, another file
 BAD_NAME = os.fsdecode(b"bad\xff\nname.png")  # not UTF-8 and a newline, unreadable: printed in the summary
 DEEP = "/".join(["d" * 200, "e" * 200, "x" * 150 + ".png"])  # 555 bytes: over LMDB's 511-byte key limit
 
@@ -83,6 +84,7 @@ def _bad_crc() -> bytes:
 def _write(data: bytes | Callable[[], bytes]) -> Callable[[Path], None]:
     def make(path: Path) -> None:
         path.write_bytes(data() if callable(data) else data)
+
     return make
 
 
@@ -99,6 +101,7 @@ def _socket(path: Path) -> None:
 def _link(target: str | Callable[[Path], str]) -> Callable[[Path], None]:
     def make(path: Path) -> None:
         os.symlink(target(path) if callable(target) else target, path)
+
     return make
 
 
@@ -125,12 +128,12 @@ def _hidden_folder(path: Path) -> None:
 
 @dataclass(frozen=True)
 class Case:
-    path: str                         # relative to the folder (a str that may hold surrogates: see NON_UTF8)
-    make: Callable[[Path], None]      # creates it at the given absolute path
-    expect: str                       # indexed | skipped | ignored
-    reason: str = ""                  # for skipped: a substring of the reason
-    upload: int | None = None         # status of POST /api/search with this file's bytes (None: not uploaded)
-    message: str = ""                 # a substring of the upload's error
+    path: str  # relative to the folder (a str that may hold surrogates: see NON_UTF8)
+    make: Callable[[Path], None]  # creates it at the given absolute path
+    expect: str  # indexed | skipped | ignored
+    reason: str = ""  # for skipped: a substring of the reason
+    upload: int | None = None  # status of POST /api/search with this file's bytes (None: not uploaded)
+    message: str = ""  # a substring of the upload's error
 
 
 _TRUNCATED_PNG = encode(_pattern(64, 64, seed=2), "PNG")[:300]
@@ -144,32 +147,84 @@ CASES = [
     Case("photo.webp", _write(encode(_pattern(seed=4), "WEBP")), "indexed"),
     Case("truncated.png", _write(_TRUNCATED_PNG), "skipped", "image file is truncated", 400, "image file is truncated"),
     Case("truncated.jpg", _write(_TRUNCATED_JPEG), "skipped", "Truncated File Read", 400, "Truncated File Read"),
-    Case("corrupt.png", _write(b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 4), "skipped",
-         "unknown or corrupt format", 400, "unknown or corrupt format"),
+    Case(
+        "corrupt.png",
+        _write(b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 4),
+        "skipped",
+        "unknown or corrupt format",
+        400,
+        "unknown or corrupt format",
+    ),
     Case("bad_crc.png", _write(_bad_crc), "skipped", "unknown or corrupt format", 400, "unknown or corrupt format"),
     Case("empty.png", _write(b""), "skipped", "empty file", 400, "empty"),
-    Case("text.jpg", _write(b"just some notes, not a picture\n"), "skipped", "unknown or corrupt format", 400,
-         "unknown or corrupt format"),
-    Case("page.png", _write(b"<!DOCTYPE html><html><body>404 not found</body></html>\n"), "skipped",
-         "unknown or corrupt format", 400, "unknown or corrupt format"),
-    Case("gif_garbage.png", _write(b"GIF89a" + b"\xff\x00garbage" * 20), "skipped", "unknown or corrupt format",
-         400, "unknown or corrupt format"),
-    Case("bomb.png", _write(png_claiming(20_000, 20_000)), "skipped", f"more than {MAX_IMAGE_PIXELS:,} pixels", 400,
-         f"more than {MAX_IMAGE_PIXELS:,} pixels"),
-    Case("bomb_90m.png", _write(png_claiming(10_000, 9_000)), "skipped", f"10000x9000 pixels, limit {MAX_IMAGE_PIXELS:,}",
-         400, f"limit {MAX_IMAGE_PIXELS:,}"),
-    Case("line_1x250000.png", _write(lambda: encode(Image.new("L", (1, 250_000)), "PNG")), "skipped",
-         "too elongated (1x250000 pixels, aspect ratio limit 1:100)", 400, "too elongated"),
-    Case("zero_width.png", _write(png_claiming(0, 16)), "skipped", "unknown or corrupt format", 400,
-         "unknown or corrupt format"),
+    Case(
+        "text.jpg",
+        _write(b"just some notes, not a picture\n"),
+        "skipped",
+        "unknown or corrupt format",
+        400,
+        "unknown or corrupt format",
+    ),
+    Case(
+        "page.png",
+        _write(b"<!DOCTYPE html><html><body>404 not found</body></html>\n"),
+        "skipped",
+        "unknown or corrupt format",
+        400,
+        "unknown or corrupt format",
+    ),
+    Case(
+        "gif_garbage.png",
+        _write(b"GIF89a" + b"\xff\x00garbage" * 20),
+        "skipped",
+        "unknown or corrupt format",
+        400,
+        "unknown or corrupt format",
+    ),
+    Case(
+        "bomb.png",
+        _write(png_claiming(20_000, 20_000)),
+        "skipped",
+        f"more than {MAX_IMAGE_PIXELS:,} pixels",
+        400,
+        f"more than {MAX_IMAGE_PIXELS:,} pixels",
+    ),
+    Case(
+        "bomb_90m.png",
+        _write(png_claiming(10_000, 9_000)),
+        "skipped",
+        f"10000x9000 pixels, limit {MAX_IMAGE_PIXELS:,}",
+        400,
+        f"limit {MAX_IMAGE_PIXELS:,}",
+    ),
+    Case(
+        "line_1x250000.png",
+        _write(lambda: encode(Image.new("L", (1, 250_000)), "PNG")),
+        "skipped",
+        "too elongated (1x250000 pixels, aspect ratio limit 1:100)",
+        400,
+        "too elongated",
+    ),
+    Case(
+        "zero_width.png",
+        _write(png_claiming(0, 16)),
+        "skipped",
+        "unknown or corrupt format",
+        400,
+        "unknown or corrupt format",
+    ),
     Case("gray16.png", _write(_gray16), "indexed", upload=200),
     Case("exif_rotated.jpg", _write(_exif_rotated), "indexed", upload=200),
     Case("cmyk.jpg", _write(lambda: encode(_pattern(seed=7).convert("CMYK"), "JPEG")), "indexed", upload=200),
     Case("palette_transparent.png", _write(_palette_transparent), "indexed", upload=200),
     Case("animated.png", _write(lambda: _animated("PNG")), "indexed", upload=200),
     Case("animated.webp", _write(lambda: _animated("WEBP")), "indexed", upload=200),
-    Case("huge_valid.jpg", _write(lambda: encode(Image.new("RGB", (6000, 4000), (90, 140, 200)), "JPEG")),
-         "indexed", upload=200),
+    Case(
+        "huge_valid.jpg",
+        _write(lambda: encode(Image.new("RGB", (6000, 4000), (90, 140, 200)), "JPEG")),
+        "indexed",
+        upload=200,
+    ),
     Case("fifo.png", _fifo, "skipped", "a FIFO, not an image file"),
     Case("socket.png", _socket, "skipped", "a socket, not an image file"),
     Case("devnull.png", _link("/dev/null"), "skipped", "a character device, not an image file"),

@@ -3,6 +3,7 @@
 The encoders are exported from untrained (randomly initialised, BN statistics randomised) ResNet-18 32 px
 checkpoints: no training needed, embeddings still deterministic and image-dependent.
 """
+
 from __future__ import annotations
 
 import shutil
@@ -70,8 +71,8 @@ def write_corpus(root: Path, per_class: int = 3) -> dict:
     (root / "circle/empty.png").write_bytes(b"")
     (root / "square/notes.jpg").write_text("not an image at all\n")
     (root / "ring/bomb.png").write_bytes(bomb_png(png))
-    (root / ".hidden.png").write_bytes(png)         # hidden: ignored
-    (root / "square/readme.txt").write_text("hi")   # not an image extension: ignored
+    (root / ".hidden.png").write_bytes(png)  # hidden: ignored
+    (root / "square/readme.txt").write_text("hi")  # not an image extension: ignored
     return {"good": sorted(good + [copy]), "bad": sorted(BAD_FILES), "duplicate": (original, copy)}
 
 
@@ -91,9 +92,13 @@ class SyntheticEmbedder:
         path.write_bytes(f"synthetic encoder, {d}-d".encode())
         self.d = d
         self.centres = np.random.default_rng(0).normal(size=(clusters, d)).astype(np.float32)
-        self.encoder = SimpleNamespace(path=path, sha256=hashlib.sha256(path.read_bytes()).hexdigest(),
-                                       embedding_dim=d, provider="synthetic",
-                                       metadata={"arch": "synthetic", "image_size": 32, "embedding_dim": d})
+        self.encoder = SimpleNamespace(
+            path=path,
+            sha256=hashlib.sha256(path.read_bytes()).hexdigest(),
+            embedding_dim=d,
+            provider="synthetic",
+            metadata={"arch": "synthetic", "image_size": 32, "embedding_dim": d},
+        )
         self.calls: list[int] = []  # files embedded per call
 
     def vector(self, rel: str):
@@ -111,13 +116,29 @@ class SyntheticEmbedder:
 
         pending = [e for e in entries if shards.lookup(e.path, e.bytes, e.mtime_ns) is None]
         for e in pending:
-            shards.add({"path": e.path, "stat_bytes": e.bytes, "mtime_ns": e.mtime_ns,
-                        "sha256": hashlib.sha256(f"{e.path}:{e.mtime_ns}".encode()).hexdigest(), "width": 32,
-                        "height": 32, "bytes": e.bytes, "error": None}, self.vector(f"{e.path}:{e.mtime_ns}"))
+            shards.add(
+                {
+                    "path": e.path,
+                    "stat_bytes": e.bytes,
+                    "mtime_ns": e.mtime_ns,
+                    "sha256": hashlib.sha256(f"{e.path}:{e.mtime_ns}".encode()).hexdigest(),
+                    "width": 32,
+                    "height": 32,
+                    "bytes": e.bytes,
+                    "error": None,
+                },
+                self.vector(f"{e.path}:{e.mtime_ns}"),
+            )
         shards.flush()
         self.calls.append(len(pending))
-        return {"embedded": len(pending), "resumed": len(entries) - len(pending), "embed": 0.0, "decode_wait": 0.0,
-                "encoder": 0.0, "decode_cpu": 0.0}
+        return {
+            "embedded": len(pending),
+            "resumed": len(entries) - len(pending),
+            "embed": 0.0,
+            "decode_wait": 0.0,
+            "encoder": 0.0,
+            "decode_cpu": 0.0,
+        }
 
 
 def touch_files(root: Path, names) -> None:
@@ -149,23 +170,38 @@ def write_tiny_encoder(path: Path, d: int = 16, image_size: int = 16, seed: int 
     pixels = image_size * image_size * 3
     weights = np.random.default_rng(seed).normal(size=(pixels, d)).astype(np.float32)
     graph = helper.make_graph(
-        [helper.make_node("Cast", [INPUT_NAME], ["x"], to=TensorProto.FLOAT),
-         helper.make_node("Sub", ["x", "centre"], ["centred"]),
-         helper.make_node("Reshape", ["centred", "shape"], ["flat"]),
-         helper.make_node("MatMul", ["flat", "weights"], ["projected"]),
-         helper.make_node("LpNormalization", ["projected"], [OUTPUT_NAME], axis=1, p=2)],
+        [
+            helper.make_node("Cast", [INPUT_NAME], ["x"], to=TensorProto.FLOAT),
+            helper.make_node("Sub", ["x", "centre"], ["centred"]),
+            helper.make_node("Reshape", ["centred", "shape"], ["flat"]),
+            helper.make_node("MatMul", ["flat", "weights"], ["projected"]),
+            helper.make_node("LpNormalization", ["projected"], [OUTPUT_NAME], axis=1, p=2),
+        ],
         "tiny_encoder",
         [helper.make_tensor_value_info(INPUT_NAME, TensorProto.UINT8, ["N", image_size, image_size, 3])],
         [helper.make_tensor_value_info(OUTPUT_NAME, TensorProto.FLOAT, ["N", d])],
-        initializer=[numpy_helper.from_array(np.array(127.5, dtype=np.float32), "centre"),
-                     numpy_helper.from_array(np.array([-1, pixels], dtype=np.int64), "shape"),
-                     numpy_helper.from_array(weights, "weights")])
+        initializer=[
+            numpy_helper.from_array(np.array(127.5, dtype=np.float32), "centre"),
+            numpy_helper.from_array(np.array([-1, pixels], dtype=np.int64), "shape"),
+            numpy_helper.from_array(weights, "weights"),
+        ],
+    )
     # IR version 8: onnx 1.23 writes 14 by default, newer than ONNX Runtime 1.31 reads (13)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8)
-    meta = encode_metadata({"format": ENCODER_FORMAT, "format_version": ENCODER_FORMAT_VERSION,
-                            "image_size": image_size, "embedding_dim": d, "arch": "tiny-test", "moco_version": 2,
-                            "resize": RESIZE_POLICY, "mean": IMAGENET_MEAN, "std": IMAGENET_STD,
-                            "run_id": f"tiny-{seed}"})
+    meta = encode_metadata(
+        {
+            "format": ENCODER_FORMAT,
+            "format_version": ENCODER_FORMAT_VERSION,
+            "image_size": image_size,
+            "embedding_dim": d,
+            "arch": "tiny-test",
+            "moco_version": 2,
+            "resize": RESIZE_POLICY,
+            "mean": IMAGENET_MEAN,
+            "std": IMAGENET_STD,
+            "run_id": f"tiny-{seed}",
+        }
+    )
     onnx.helper.set_model_props(model, meta)
     onnx.checker.check_model(model)
     path.parent.mkdir(parents=True, exist_ok=True)

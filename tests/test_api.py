@@ -1,4 +1,5 @@
 """The public Python API (docs/API.md): its example runs as written, and importing the package stays light."""
+
 from __future__ import annotations
 
 import json
@@ -21,9 +22,11 @@ def test_api__the_documented_example_runs(tmp_path):
 
 
 def test_api__import_loads_no_heavy_library_until_used():
-    code = ("import json, sys, moco_retrieval as mr\n"
-            "names = [mr.Encoder, mr.Index, mr.build_index, mr.train, mr.export, mr.TrainConfig]\n"
-            "print(json.dumps(sorted(m for m in ('torch', 'onnxruntime', 'faiss', 'lmdb') if m in sys.modules)))")
+    code = (
+        "import json, sys, moco_retrieval as mr\n"
+        "names = [mr.Encoder, mr.Index, mr.build_index, mr.train, mr.export, mr.TrainConfig]\n"
+        "print(json.dumps(sorted(m for m in ('torch', 'onnxruntime', 'faiss', 'lmdb') if m in sys.modules)))"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == []

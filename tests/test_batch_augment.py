@@ -1,5 +1,6 @@
 """Batched MoCo augmentations (trainer.batch_augment): each operation equals torchvision's per-image one, and the
 random draws follow the MoCo v2 / v3 distributions (checked with statistics over thousands of samples)."""
+
 from __future__ import annotations
 
 import math
@@ -22,18 +23,22 @@ def _one_thread():
 
 def _images(n: int = 6, size: int = 24, seed: int = 0) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
-    smooth = torch.nn.functional.interpolate(torch.rand(n, 3, 6, 6, generator=gen), size=(size, size),
-                                             mode="bilinear", align_corners=False)
+    smooth = torch.nn.functional.interpolate(
+        torch.rand(n, 3, 6, 6, generator=gen), size=(size, size), mode="bilinear", align_corners=False
+    )
     return (0.7 * smooth + 0.3 * torch.rand(n, 3, size, size, generator=gen)).clamp(0, 1)
 
 
 # -- each operation against torchvision, per image ----------------------------------------------------------------
-@pytest.mark.parametrize("name, ours, theirs, values", [
-    ("brightness", B.adjust_brightness, TF.adjust_brightness, [0.6, 1.0, 1.37]),
-    ("contrast", B.adjust_contrast, TF.adjust_contrast, [0.6, 1.0, 1.4]),
-    ("saturation", B.adjust_saturation, TF.adjust_saturation, [0.6, 1.2, 1.4]),
-    ("hue", B.adjust_hue, TF.adjust_hue, [-0.1, 0.0, 0.07]),
-])
+@pytest.mark.parametrize(
+    "name, ours, theirs, values",
+    [
+        ("brightness", B.adjust_brightness, TF.adjust_brightness, [0.6, 1.0, 1.37]),
+        ("contrast", B.adjust_contrast, TF.adjust_contrast, [0.6, 1.0, 1.4]),
+        ("saturation", B.adjust_saturation, TF.adjust_saturation, [0.6, 1.2, 1.4]),
+        ("hue", B.adjust_hue, TF.adjust_hue, [-0.1, 0.0, 0.07]),
+    ],
+)
 def test_color_ops__equal_torchvision_per_image(name, ours, theirs, values):
     x = _images(3)
     factors = torch.tensor(values)
@@ -53,8 +58,9 @@ def test_gaussian_blur__equals_torchvision_with_a_sigma_per_image(kernel_size):
     x = _images(3, size=32)
     sigmas = torch.tensor([0.1, 0.8, 2.0])
     got = B.gaussian_blur(x, sigmas, kernel_size)
-    want = torch.stack([TF.gaussian_blur(x[i], [kernel_size, kernel_size], [float(s), float(s)])
-                        for i, s in enumerate(sigmas)])
+    want = torch.stack(
+        [TF.gaussian_blur(x[i], [kernel_size, kernel_size], [float(s), float(s)]) for i, s in enumerate(sigmas)]
+    )
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
 
 
@@ -83,8 +89,9 @@ def _torchvision_crops(width: int, height: int, scale, n: int) -> tuple[torch.Te
 @pytest.mark.parametrize("width, height, scale", [(64, 64, (0.2, 1.0)), (120, 40, (0.08, 1.0)), (28, 28, (0.2, 1.0))])
 def test_sample_crops__match_torchvisions_random_resized_crop(width, height, scale):
     gen = torch.Generator().manual_seed(0)
-    boxes, area, aspect = B.sample_crops(torch.full((N_STAT,), float(width)), torch.full((N_STAT,), float(height)),
-                                         scale, (3 / 4, 4 / 3), gen)
+    boxes, area, aspect = B.sample_crops(
+        torch.full((N_STAT,), float(width)), torch.full((N_STAT,), float(height)), scale, (3 / 4, 4 / 3), gen
+    )
     ref_area, ref_aspect = _torchvision_crops(width, height, scale, N_STAT)
     assert ((boxes >= 0) & (boxes <= 1)).all() and (boxes[:, 2] > boxes[:, 0]).all()
     assert area.min() >= scale[0] * 0.9 and area.max() <= 1.0 + 1e-6
@@ -101,8 +108,13 @@ def test_sample_view__probabilities_and_ranges_are_the_configured_ones(spec):
     gen = torch.Generator().manual_seed(3)
     p = B.sample_view(spec, torch.full((N_STAT,), 40.0), torch.full((N_STAT,), 40.0), gen)
     tol = 4 * math.sqrt(0.25 / N_STAT)  # four standard errors of a rate
-    for drawn, rate in ((p.flip, spec.flip_p), (p.jitter, spec.jitter_p), (p.grayscale, spec.grayscale_p),
-                        (p.blur, spec.blur_p), (p.solarize, spec.solarize_p)):
+    for drawn, rate in (
+        (p.flip, spec.flip_p),
+        (p.jitter, spec.jitter_p),
+        (p.grayscale, spec.grayscale_p),
+        (p.blur, spec.blur_p),
+        (p.solarize, spec.solarize_p),
+    ):
         assert abs(drawn.float().mean().item() - rate) <= tol, (rate, drawn.float().mean())
     j = p.jitter
     assert p.brightness[j].min() >= 1 - spec.brightness and p.brightness[j].max() <= 1 + spec.brightness

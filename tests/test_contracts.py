@@ -1,6 +1,7 @@
 """The shared contracts (contracts/): the one image decode, the folder walk rules, the encoder metadata format,
 atomic writes, and the import rules between the packages (checked on the source, and in a real process that
 imports the serving stack without torch)."""
+
 from __future__ import annotations
 
 import ast
@@ -61,8 +62,16 @@ def _png(image: Image.Image, **save) -> bytes:
 def _pattern(width: int = 40, height: int = 30) -> Image.Image:
     x = np.linspace(0, 255, width, dtype=np.float64)[None, :, None]
     y = np.linspace(0, 255, height, dtype=np.float64)[:, None, None]
-    return Image.fromarray(np.concatenate([np.broadcast_to(x, (height, width, 1)), np.broadcast_to(y, (height, width, 1)),
-                                           np.full((height, width, 1), 90.0)], axis=2).astype(np.uint8))
+    return Image.fromarray(
+        np.concatenate(
+            [
+                np.broadcast_to(x, (height, width, 1)),
+                np.broadcast_to(y, (height, width, 1)),
+                np.full((height, width, 1), 90.0),
+            ],
+            axis=2,
+        ).astype(np.uint8)
+    )
 
 
 # -- decode ---------------------------------------------------------------------------------------------------
@@ -71,9 +80,15 @@ def test_decode_image__one_line_data_errors(tmp_path):
     (tmp_path / "truncated.png").write_bytes(png[: len(png) // 2])
     (tmp_path / "text.png").write_text("hello")
     (tmp_path / "empty.png").write_bytes(b"")
-    cases = [(tmp_path / "truncated.png", "not a readable image"), (tmp_path / "text.png", "not a readable image"),
-             (tmp_path / "empty.png", "empty file"), (tmp_path / "nope.png", "image not found"),
-             (b"", "empty"), (b"GIF89a garbage", "not a readable image"), (tmp_path, "a folder, not an image file")]
+    cases = [
+        (tmp_path / "truncated.png", "not a readable image"),
+        (tmp_path / "text.png", "not a readable image"),
+        (tmp_path / "empty.png", "empty file"),
+        (tmp_path / "nope.png", "image not found"),
+        (b"", "empty"),
+        (b"GIF89a garbage", "not a readable image"),
+        (tmp_path, "a folder, not an image file"),
+    ]
     for source, expected in cases:
         with pytest.raises(DataError, match=expected) as info:
             decode_image(source)
@@ -138,12 +153,19 @@ def _jpeg_cmyk() -> bytes:
 # -- walk -----------------------------------------------------------------------------------------------------
 def test_walk_image_files__every_format_the_decode_reads_is_found_and_decodes(tmp_path):
     image = _pattern(16, 16)  # ICO's smallest size
-    for ext, fmt in ((".gif", "GIF"), (".jfif", "JPEG"), (".jpe", "JPEG"), (".avif", "AVIF"), (".ico", "ICO"),
-                     (".JPG", "JPEG")):
+    for ext, fmt in (
+        (".gif", "GIF"),
+        (".jfif", "JPEG"),
+        (".jpe", "JPEG"),
+        (".avif", "AVIF"),
+        (".ico", "ICO"),
+        (".JPG", "JPEG"),
+    ):
         image.save(tmp_path / f"x{ext}", format=fmt)
     found = walk_image_files(tmp_path)
-    assert sorted(f.path for f in found) == sorted(f"x{ext}" for ext in (".gif", ".jfif", ".jpe", ".avif", ".ico",
-                                                                        ".JPG"))
+    assert sorted(f.path for f in found) == sorted(
+        f"x{ext}" for ext in (".gif", ".jfif", ".jpe", ".avif", ".ico", ".JPG")
+    )
     for f in found:
         assert decode_image(tmp_path / f.path).size == (16, 16), f.path
 
@@ -183,18 +205,29 @@ def test_read_image_bytes__never_blocks_on_a_fifo(tmp_path):
 
 # -- encoder metadata -----------------------------------------------------------------------------------------
 def test_encoder_metadata__round_trips_and_validates():
-    meta = {"format": ENCODER_FORMAT, "format_version": ENCODER_FORMAT_VERSION, "image_size": 32,
-            "embedding_dim": 512, "arch": "resnet18", "moco_version": 2, "resize": "shorter_side_center_crop",
-            "mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225], "run_id": "r1"}
+    meta = {
+        "format": ENCODER_FORMAT,
+        "format_version": ENCODER_FORMAT_VERSION,
+        "image_size": 32,
+        "embedding_dim": 512,
+        "arch": "resnet18",
+        "moco_version": 2,
+        "resize": "shorter_side_center_crop",
+        "mean": [0.485, 0.456, 0.406],
+        "std": [0.229, 0.224, 0.225],
+        "run_id": "r1",
+    }
     props = encode_metadata(meta)
     assert all(isinstance(v, str) for v in props.values())
     assert decode_metadata(props) == meta
     assert validate_metadata(props, "x.onnx") == meta
-    for broken, message in ((dict(props, format="other"), "not a moco-retrieval encoder"),
-                            ({k: v for k, v in props.items() if k != "image_size"}, "lacks encoder metadata"),
-                            (dict(props, image_size="big"), "malformed"),
-                            (dict(props, format_version="99"), "upgrade moco-retrieval"),
-                            (dict(props, resize="stretch"), "resize policy")):
+    for broken, message in (
+        (dict(props, format="other"), "not a moco-retrieval encoder"),
+        ({k: v for k, v in props.items() if k != "image_size"}, "lacks encoder metadata"),
+        (dict(props, image_size="big"), "malformed"),
+        (dict(props, format_version="99"), "upgrade moco-retrieval"),
+        (dict(props, resize="stretch"), "resize policy"),
+    ):
         with pytest.raises(ArtifactError, match=message):
             validate_metadata(broken, "x.onnx")
     assert set(REQUIRED_KEYS) <= set(props)
@@ -250,8 +283,11 @@ def test_packages__import_only_downward():
             used = imported & set(PACKAGES) - {package}
             for other in sorted(used - ALLOWED[package]):
                 bad.append(f"{path.relative_to(REPO)} imports {other}")
-            bad.extend(f"{path.relative_to(REPO)} imports {name[5:]} outside {NAMESPACE}" for name in sorted(imported)
-                       if name.startswith("bare:"))
+            bad.extend(
+                f"{path.relative_to(REPO)} imports {name[5:]} outside {NAMESPACE}"
+                for name in sorted(imported)
+                if name.startswith("bare:")
+            )
     assert not bad, bad
 
 
@@ -261,9 +297,13 @@ def test_benches__never_import_the_tests():
 
 
 def test_tests_and_benches__import_the_project_by_its_one_name():
-    bad = [f"{path.relative_to(REPO)} imports {name[5:]}" for folder in ("tests", "bench", NAMESPACE)
-           for path in sorted((REPO / folder).rglob("*.py")) for name in sorted(_imports(path))
-           if name.startswith("bare:")]
+    bad = [
+        f"{path.relative_to(REPO)} imports {name[5:]}"
+        for folder in ("tests", "bench", NAMESPACE)
+        for path in sorted((REPO / folder).rglob("*.py"))
+        for name in sorted(_imports(path))
+        if name.startswith("bare:")
+    ]
     assert not bad, bad
 
 
@@ -274,14 +314,34 @@ def test_contracts__import_nothing_heavy():
 
 
 def test_serving_stack__imports_without_torch_in_a_real_process():
-    modules = [f"moco_retrieval.{name}" for name in (
-        "contracts.errors", "contracts.images", "contracts.encoder_format", "contracts.atomic", "contracts.knn",
-        "indexer.build", "indexer.index_dir", "serve.engine", "serve.http", "app.cli", "app.server", "app.gradio_app",
-        "app.cmd_serve", "app.cmd_index", "trainer.config", "trainer.imagefolder", "trainer.demo_data")]
-    code = ("import importlib, json, sys\n"
-            f"for name in {modules!r}: importlib.import_module(name)\n"
-            "from moco_retrieval.app.cli import build_parser\nbuild_parser()\n"
-            "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'torchvision', 'timm'))))")
+    modules = [
+        f"moco_retrieval.{name}"
+        for name in (
+            "contracts.errors",
+            "contracts.images",
+            "contracts.encoder_format",
+            "contracts.atomic",
+            "contracts.knn",
+            "indexer.build",
+            "indexer.index_dir",
+            "serve.engine",
+            "serve.http",
+            "app.cli",
+            "app.server",
+            "app.gradio_app",
+            "app.cmd_serve",
+            "app.cmd_index",
+            "trainer.config",
+            "trainer.imagefolder",
+            "trainer.demo_data",
+        )
+    ]
+    code = (
+        "import importlib, json, sys\n"
+        f"for name in {modules!r}: importlib.import_module(name)\n"
+        "from moco_retrieval.app.cli import build_parser\nbuild_parser()\n"
+        "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'torchvision', 'timm'))))"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == []

@@ -1,5 +1,6 @@
 """``moco demo`` end to end with a tiny budget: data, training with the auto recipe, the k-NN report, export and
 index (the serving step is covered by the serve tests)."""
+
 from __future__ import annotations
 
 import pytest
@@ -11,6 +12,7 @@ from moco_retrieval.indexer.index_dir import IndexDirectory
 @pytest.mark.timeout(600)
 def test_demo__runs_the_whole_flow_and_reports_the_knn_gain(tmp_path, capsys, monkeypatch):
     import moco_retrieval.app.demo as demo
+
     monkeypatch.setattr(demo, "DEMO_IMAGES_PER_CLASS", 24)  # 192 images: the flow, not the learning
     run_demo(tmp_path / "demo", budget="6s", device="cpu", serve=False)
     out = capsys.readouterr().out

@@ -1,4 +1,5 @@
 """Two real gloo processes under torchrun train MoCo v2: both ranks end with identical parameters and queues."""
+
 from __future__ import annotations
 
 import os
@@ -21,8 +22,20 @@ def run_two_ranks(cfg, prefix: Path, timeout: int = 300) -> list[dict]:
     config_path.write_text(cfg.to_json())
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(WORKER.parent.parent)}
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(WORKER),
-         str(config_path), str(prefix)], capture_output=True, text=True, timeout=timeout, env=env,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            str(WORKER),
+            str(config_path),
+            str(prefix),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [torch.load(f"{prefix}.rank{r}.pt") for r in range(2)]

@@ -1,4 +1,5 @@
 """Two real gloo processes under torchrun train MoCo v3 (keys gathered across ranks): identical parameters."""
+
 from __future__ import annotations
 
 import pytest
@@ -11,8 +12,17 @@ pytestmark = pytest.mark.dist
 
 
 def test_ddp_v3__ranks_end_with_identical_parameters(shapes_dir, tmp_path):
-    cfg = tiny_train_config(shapes_dir, tmp_path / "run", moco_version=3, epochs=1, batch_size=16, dim=16,
-                            mlp_hidden=32, lr=1.0, lr_scale=False)
+    cfg = tiny_train_config(
+        shapes_dir,
+        tmp_path / "run",
+        moco_version=3,
+        epochs=1,
+        batch_size=16,
+        dim=16,
+        mlp_hidden=32,
+        lr=1.0,
+        lr_scale=False,
+    )
     rank0, rank1 = run_two_ranks(cfg, tmp_path / "state")
     assert rank0["steps"] == rank1["steps"] == 96 // 16
     assert "queue" not in rank0["buffers"]

@@ -1,4 +1,5 @@
 """``moco embeddings``: an index's live items as Parquet, read back by pyarrow, pandas and DuckDB."""
+
 from __future__ import annotations
 
 import os
@@ -45,7 +46,11 @@ def test_embeddings__parquet_opens_everywhere_and_holds_what_the_index_searches(
     assert frame.path_bytes.isna().sum() == 47
     assert duckdb.sql(f"select count(*), count(distinct id) from '{out}'").fetchall() == [(48, 48)]
     assert dict(duckdb.sql(f"select label, count(*) from '{out}' group by label").fetchall()) == {
-        "blue": 11, "green": 12, "red": 13, "yellow": 12}
+        "blue": 11,
+        "green": 12,
+        "red": 13,
+        "yellow": 12,
+    }
     vectors = np.stack(frame.vector.to_numpy())
     with IndexDirectory.open(index) as directory:
         assert sorted(frame.id) == directory.index.ids().tolist()
@@ -83,8 +88,9 @@ def test_embeddings__missing_index_and_unwritable_out_are_one_line(tmp_path, ser
     assert err.startswith("moco: error:") and "\n" not in err
 
 
-def test_embed__a_folder_to_parquet_equals_the_encoder_and_resumes(serve_corpus, encoder_onnx, tmp_path,
-                                                                   monkeypatch, capsys):
+def test_embed__a_folder_to_parquet_equals_the_encoder_and_resumes(
+    serve_corpus, encoder_onnx, tmp_path, monkeypatch, capsys
+):
     import pandas as pd
 
     import moco_retrieval.indexer.embed_folder as embed_folder
@@ -94,8 +100,19 @@ def test_embed__a_folder_to_parquet_equals_the_encoder_and_resumes(serve_corpus,
     shutil.copytree(serve_corpus, corpus)
     (corpus / "red" / "broken.png").write_bytes(b"\x89PNG not really")
     out = tmp_path / "photos.parquet"
-    args = ["embed", str(corpus), "--model", str(encoder_onnx), "--out", str(out), "--workers", "0",
-            "--no-progress", "--shard-size", "8"]
+    args = [
+        "embed",
+        str(corpus),
+        "--model",
+        str(encoder_onnx),
+        "--out",
+        str(out),
+        "--workers",
+        "0",
+        "--no-progress",
+        "--shard-size",
+        "8",
+    ]
     calls = []
 
     def dies_once(*a, **k):  # the run is stopped after embedding everything, before the file is written
@@ -104,8 +121,9 @@ def test_embed__a_folder_to_parquet_equals_the_encoder_and_resumes(serve_corpus,
 
     monkeypatch.setattr(embed_folder, "write_embeddings", dies_once)
     with pytest.raises(KeyboardInterrupt):
-        embed_folder.embed_folder(embed_folder.IndexConfig(str(corpus), str(encoder_onnx), str(out), workers=0,
-                                                           progress=False))
+        embed_folder.embed_folder(
+            embed_folder.IndexConfig(str(corpus), str(encoder_onnx), str(out), workers=0, progress=False)
+        )
     assert calls and embed_folder.work_dir_for(out).is_dir() and not out.exists()
     monkeypatch.undo()
     assert main(args) == 0  # the identical command goes on: nothing embedded again

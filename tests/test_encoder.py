@@ -1,5 +1,6 @@
 """The shared encoder runtime (indexer.encoder): preprocessing equal to torchvision's eval transform, embeddings
 equal to the PyTorch backbone, input checks, foreign files, device choice, no torch."""
+
 from __future__ import annotations
 
 import hashlib
@@ -118,13 +119,16 @@ def test_encoder__dynamic_batch_rows_do_not_depend_on_batch(encoder):
     assert encoder.embed_images([]).shape == (0, 512)
 
 
-@pytest.mark.parametrize("bad,expected", [
-    (np.zeros((2, 32, 32, 3), dtype=np.float32), "must be uint8"),
-    (np.zeros((32, 32, 3), dtype=np.uint8), "must have shape"),
-    (np.zeros((2, 3, 32, 32), dtype=np.uint8), "must have shape"),
-    (np.zeros((2, 64, 64, 3), dtype=np.uint8), "must have shape"),
-    ([[0, 1, 2]], "must be a numpy uint8 array"),
-])
+@pytest.mark.parametrize(
+    "bad,expected",
+    [
+        (np.zeros((2, 32, 32, 3), dtype=np.float32), "must be uint8"),
+        (np.zeros((32, 32, 3), dtype=np.uint8), "must have shape"),
+        (np.zeros((2, 3, 32, 32), dtype=np.uint8), "must have shape"),
+        (np.zeros((2, 64, 64, 3), dtype=np.uint8), "must have shape"),
+        ([[0, 1, 2]], "must be a numpy uint8 array"),
+    ],
+)
 def test_encoder__wrong_dtype_or_shape_is_data_error(encoder, bad, expected):
     with pytest.raises(DataError, match=expected) as info:
         encoder.embed(bad)
@@ -190,8 +194,10 @@ def _tiny_encoder(path: Path, exported: Path, output: str, size: int = 8, dim: i
     the per-channel mean, then: ``unit`` L2-normalized, ``raw`` as it is, ``nan`` times NaN, ``flat`` 1-D."""
     from onnx import TensorProto, helper
 
-    nodes = [helper.make_node("Cast", ["images"], ["f"], to=TensorProto.FLOAT),
-             helper.make_node("ReduceMean", ["f", "axes"], ["m"], keepdims=0)]
+    nodes = [
+        helper.make_node("Cast", ["images"], ["f"], to=TensorProto.FLOAT),
+        helper.make_node("ReduceMean", ["f", "axes"], ["m"], keepdims=0),
+    ]
     inits = [helper.make_tensor("axes", TensorProto.INT64, [2], [1, 2])]
     out_shape = ["N", dim]
     if output == "unit":
@@ -205,9 +211,13 @@ def _tiny_encoder(path: Path, exported: Path, output: str, size: int = 8, dim: i
         inits.append(helper.make_tensor("axis1", TensorProto.INT64, [1], [1]))
         nodes.append(helper.make_node("ReduceMean", ["m", "axis1"], ["embeddings"], keepdims=0))
         out_shape = ["N"]
-    graph = helper.make_graph(nodes, "tiny", [helper.make_tensor_value_info("images", TensorProto.UINT8,
-                                                                            ["N", size, size, 3])],
-                              [helper.make_tensor_value_info("embeddings", TensorProto.FLOAT, out_shape)], inits)
+    graph = helper.make_graph(
+        nodes,
+        "tiny",
+        [helper.make_tensor_value_info("images", TensorProto.UINT8, ["N", size, size, 3])],
+        [helper.make_tensor_value_info("embeddings", TensorProto.FLOAT, out_shape)],
+        inits,
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=8)
     props = {p.key: p.value for p in onnx.load(str(exported)).metadata_props}
     props.update({"image_size": str(size), "embedding_dim": str(dim)})
@@ -217,10 +227,10 @@ def _tiny_encoder(path: Path, exported: Path, output: str, size: int = 8, dim: i
     return path
 
 
-@pytest.mark.parametrize("output, message", [("nan", "non-finite"), ("raw", "not L2-normalized"),
-                                             ("flat", "shape")])
-def test_encoder__an_output_that_is_not_unit_vectors_of_the_declared_shape_is_refused(exported, tmp_path, output,
-                                                                                      message):
+@pytest.mark.parametrize("output, message", [("nan", "non-finite"), ("raw", "not L2-normalized"), ("flat", "shape")])
+def test_encoder__an_output_that_is_not_unit_vectors_of_the_declared_shape_is_refused(
+    exported, tmp_path, output, message
+):
     good = OnnxEncoder(_tiny_encoder(tmp_path / "good.onnx", exported[0], "unit"), device="cpu", threads=1)
     pixels = np.random.default_rng(0).integers(0, 255, (4, 8, 8, 3), dtype=np.uint8)
     np.testing.assert_allclose(np.linalg.norm(good.embed(pixels), axis=1), 1, atol=1e-5)
@@ -260,8 +270,9 @@ def test_open_session__preloads_the_cuda_libraries_quietly_where_a_driver_is(mon
     monkeypatch.setattr(ort, "preload_dlls", preload)
     for driver in (False, True):
         encoder_module._preload_cuda_libraries.cache_clear()
-        monkeypatch.setattr(encoder_module.os.path, "exists", lambda p, d=driver: d if p == "/dev/nvidiactl" else
-                            os.path.lexists(p))
+        monkeypatch.setattr(
+            encoder_module.os.path, "exists", lambda p, d=driver: d if p == "/dev/nvidiactl" else os.path.lexists(p)
+        )
         with caplog.at_level(logging.DEBUG, logger="moco_retrieval.indexer.encoder"):
             encoder_module._preload_cuda_libraries()
     assert calls == [1]  # only where there is a driver, and once

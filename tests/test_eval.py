@@ -1,5 +1,6 @@
 """``moco eval knn`` / ``moco eval linear`` on generated labeled folders: the protocols against hand
 computations, real checkpoints and a real exported ONNX encoder, the JSON they write, and their errors."""
+
 from __future__ import annotations
 
 import json
@@ -40,11 +41,30 @@ def colour_split(tmp_path_factory) -> tuple[Path, Path]:
 
 def _random_init_checkpoint(path: Path, arch: str, moco_version: int) -> Path:
     """A real checkpoint file of a randomly initialised model (what ``moco train`` saves, minus optimizer state)."""
-    cfg = TrainConfig(data_dir="-", out_dir=str(path.parent), arch=arch, moco_version=moco_version, image_size=32,
-                      stem="imagenet", dim=16, mlp_hidden=32, run_id="random-init")
+    cfg = TrainConfig(
+        data_dir="-",
+        out_dir=str(path.parent),
+        arch=arch,
+        moco_version=moco_version,
+        image_size=32,
+        stem="imagenet",
+        dim=16,
+        mlp_hidden=32,
+        run_id="random-init",
+    )
     torch.manual_seed(0)
-    save_atomic({"format": CHECKPOINT_FORMAT, "format_version": CHECKPOINT_VERSION, "run_id": cfg.run_id,
-                 "config": cfg.to_dict(), "model": build_model(cfg).state_dict(), "epoch": 0, "step": 0}, path)
+    save_atomic(
+        {
+            "format": CHECKPOINT_FORMAT,
+            "format_version": CHECKPOINT_VERSION,
+            "run_id": cfg.run_id,
+            "config": cfg.to_dict(),
+            "model": build_model(cfg).state_dict(),
+            "epoch": 0,
+            "step": 0,
+        },
+        path,
+    )
     return path
 
 
@@ -83,8 +103,26 @@ def test_eval_knn__same_train_and_test_folder_is_measured_leave_one_out(colour_s
     ckpt = _random_init_checkpoint(tmp_path / "random.pt", "resnet18", 2)
     folder = colour_split[0]
     with caplog.at_level("WARNING"):
-        assert main(["eval", "knn", "--train", str(folder), "--test", str(folder) + "/", str(ckpt), "--out",
-                     str(tmp_path / "knn.json"), "--device", "cpu", "--batch-size", "16"]) == 0
+        assert (
+            main(
+                [
+                    "eval",
+                    "knn",
+                    "--train",
+                    str(folder),
+                    "--test",
+                    str(folder) + "/",
+                    str(ckpt),
+                    "--out",
+                    str(tmp_path / "knn.json"),
+                    "--device",
+                    "cpu",
+                    "--batch-size",
+                    "16",
+                ]
+            )
+            == 0
+        )
     doc = json.loads((tmp_path / "knn.json").read_text())
     assert doc["same_folder"] and doc["leave_one_out"]
     assert all(r["k_used"] < doc["train_images"] for r in doc["results"])
@@ -107,8 +145,24 @@ def test_linear_probe__separable_features_reach_full_accuracy():
 def test_eval_knn__random_init_checkpoint_separates_colour_classes(arch, moco_version, colour_split, tmp_path, capsys):
     ckpt = _random_init_checkpoint(tmp_path / "random.pt", arch, moco_version)
     train_dir, test_dir = colour_split
-    assert main(["eval", "knn", "--train", str(train_dir), "--test", str(test_dir), str(ckpt),
-                 "--device", "cpu", "--batch-size", "16"]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                "knn",
+                "--train",
+                str(train_dir),
+                "--test",
+                str(test_dir),
+                str(ckpt),
+                "--device",
+                "cpu",
+                "--batch-size",
+                "16",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "k-NN top-1, k=20, T=0.07" in out and "k=200 (clipped to 30)" in out
     doc = json.loads((tmp_path / "eval_knn.json").read_text())  # default: next to the checkpoint
@@ -126,8 +180,26 @@ def test_eval_linear__random_init_checkpoint_writes_json_to_out(colour_split, tm
     ckpt = _random_init_checkpoint(tmp_path / "random.pt", "resnet18", 2)
     train_dir, test_dir = colour_split
     out = tmp_path / "results" / "linear.json"
-    assert main(["eval", "linear", "--train", str(train_dir), "--test", str(test_dir), str(ckpt),
-                 "--device", "cpu", "--epochs", "30", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                "linear",
+                "--train",
+                str(train_dir),
+                "--test",
+                str(test_dir),
+                str(ckpt),
+                "--device",
+                "cpu",
+                "--epochs",
+                "30",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert "linear probe top-1 (30 epochs)" in capsys.readouterr().out
     doc = json.loads(out.read_text())
     (result,) = doc["results"]
@@ -135,8 +207,24 @@ def test_eval_linear__random_init_checkpoint_writes_json_to_out(colour_split, tm
 
 
 def test_eval__trained_run_directory_writes_json_into_the_run(trained_run, shapes_dir, capsys):
-    assert main(["eval", "linear", "--train", str(shapes_dir), "--test", str(shapes_dir), str(trained_run),
-                 "--device", "cpu", "--epochs", "20"]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                "linear",
+                "--train",
+                str(shapes_dir),
+                "--test",
+                str(shapes_dir),
+                str(trained_run),
+                "--device",
+                "cpu",
+                "--epochs",
+                "20",
+            ]
+        )
+        == 0
+    )
     capsys.readouterr()
     doc = json.loads((trained_run / "eval_linear.json").read_text())
     assert doc["model"]["epoch"] == 1 and doc["train_images"] == doc["test_images"] == 96

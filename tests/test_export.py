@@ -1,4 +1,5 @@
 """ONNX export: parity with PyTorch, the file's contract and metadata, atomic writes, and clear errors."""
+
 from __future__ import annotations
 
 import subprocess
@@ -188,8 +189,12 @@ def test_export_cli__prints_figures_and_writes_file(v2_run, tmp_path, capsys):
 
 def test_export_cli__foreign_checkpoint_is_one_line_error_in_a_real_process(tmp_path):
     (tmp_path / "x.pt").write_bytes(b"PK\x03\x04 definitely not torch")
-    proc = subprocess.run([sys.executable, "-m", "moco_retrieval", "export", str(tmp_path / "x.pt"), "--out",
-                           str(tmp_path / "e.onnx")], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "moco_retrieval", "export", str(tmp_path / "x.pt"), "--out", str(tmp_path / "e.onnx")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == ArtifactError.exit_code
     assert proc.stderr.startswith("moco: error: cannot read checkpoint") and proc.stderr.count("\n") == 1
     assert "Traceback" not in proc.stderr and not (tmp_path / "e.onnx").exists()

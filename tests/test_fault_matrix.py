@@ -6,6 +6,7 @@ while a run indexes them, and unreadable files (without root's override of permi
 
 The kill points of an index run are in tests/test_index_build.py (test_index__sigkill_at_each_phase_...).
 """
+
 from __future__ import annotations
 
 import json
@@ -52,13 +53,37 @@ def matrix(tmp_path_factory, index_encoder):
     root = tmp_path_factory.mktemp("faults")
     images, out = root / "images", root / "index"
     write_fault_folder(images)
-    proc = subprocess.run([sys.executable, "-m", "moco_retrieval", "index", str(images), "--model", str(index_encoder),
-                           "--out", str(out), "--workers", "1", "--no-progress"], cwd=REPO, capture_output=True,
-                          text=True, timeout=180)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "moco_retrieval",
+            "index",
+            str(images),
+            "--model",
+            str(index_encoder),
+            "--out",
+            str(out),
+            "--workers",
+            "1",
+            "--no-progress",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert proc.returncode == 0, proc.stderr
     report = json.loads((out / "report.json").read_text())
-    return SimpleNamespace(images=images, out=out, report=report, live=_live(out), stdout=proc.stdout,
-                           stderr=proc.stderr, encoder=index_encoder)
+    return SimpleNamespace(
+        images=images,
+        out=out,
+        report=report,
+        live=_live(out),
+        stdout=proc.stdout,
+        stderr=proc.stderr,
+        encoder=index_encoder,
+    )
 
 
 @pytest.mark.parametrize("case", CASES, ids=[ascii(c.path)[1:-1][:40] for c in CASES])
@@ -105,8 +130,9 @@ def test_fault_matrix__rerun_changes_nothing(matrix, tmp_path):
     """A second run reads the stored names back (hashed keys, skipped files) and finds nothing to do."""
     out = tmp_path / "index"
     shutil.copytree(matrix.out, out, symlinks=True)
-    again = build_index_dir(IndexConfig(str(matrix.images), str(matrix.encoder), str(out), workers=0,
-                                        progress=False, device="cpu"))
+    again = build_index_dir(
+        IndexConfig(str(matrix.images), str(matrix.encoder), str(out), workers=0, progress=False, device="cpu")
+    )
     assert not again.published and again.embedded == 0 and again.unchanged == len(matrix.live)
 
 
@@ -177,8 +203,12 @@ def test_fault_matrix__eight_elongated_uploads_at_once_are_refused_quickly(serve
 
 
 def test_api__wrong_method_answers_405_with_allow(server):
-    for method, path, allow in (("GET", "/api/search", "POST"), ("GET", "/api/classify", "POST"),
-                                ("POST", "/api/items/1", "GET"), ("DELETE", "/api/stats", "GET")):
+    for method, path, allow in (
+        ("GET", "/api/search", "POST"),
+        ("GET", "/api/classify", "POST"),
+        ("POST", "/api/items/1", "GET"),
+        ("DELETE", "/api/stats", "GET"),
+    ):
         r = server.client.request(method, path)
         assert r.status_code == 405, (method, path, r.status_code)
         assert allow in r.headers["allow"] and r.json()["error"].startswith(f"{method} is not allowed on {path}")
@@ -196,8 +226,9 @@ def swappable(tmp_path, index_encoder):
     images.mkdir()
     for i in range(6):
         (images / f"img{i}.png").write_bytes(encode(_pattern(seed=20 + i), "PNG"))
-    build_index_dir(IndexConfig(str(images), str(index_encoder), str(tmp_path / "index"), workers=0, progress=False,
-                                device="cpu"))
+    build_index_dir(
+        IndexConfig(str(images), str(index_encoder), str(tmp_path / "index"), workers=0, progress=False, device="cpu")
+    )
     engine = SearchEngine(tmp_path / "index", EngineConfig(device="cpu", threads=1, poll_seconds=0))
     running = RunningServer(make_app(engine, ui=False))
     ids = {r["path"]: r["id"] for r in _live(tmp_path / "index").values()}
@@ -211,20 +242,25 @@ def test_item_image__served_only_while_it_is_the_indexed_file(swappable):
     s = swappable
     assert s.client.get(f"/api/items/{s.ids['img0.png']}/image").status_code == 200
     (s.images / "img0.png").unlink()
-    os.symlink("/etc/hostname", s.images / "img0.png")            # swapped for a link out of the folder
-    (s.images / "img1.png").unlink()                              # deleted
+    os.symlink("/etc/hostname", s.images / "img0.png")  # swapped for a link out of the folder
+    (s.images / "img1.png").unlink()  # deleted
     (s.images / "img2.png").unlink()
-    os.mkfifo(s.images / "img2.png")                              # replaced by a FIFO (must not hang)
+    os.mkfifo(s.images / "img2.png")  # replaced by a FIFO (must not hang)
     (s.images / "img3.png").write_bytes(encode(_pattern(seed=99), "PNG"))  # other content
     (s.images / "img4.png").unlink()
-    os.symlink(s.images / "img5.png", s.images / "img4.png")      # a link to another indexed file
+    os.symlink(s.images / "img5.png", s.images / "img4.png")  # a link to another indexed file
     outside = s.root / "outside"
     outside.mkdir()
     shutil.move(str(s.images / "img5.png"), outside / "img5.png")
-    os.symlink(outside / "img5.png", s.images / "img5.png")        # moved out, linked back in
-    expected = {"img0.png": "outside the image folder", "img1.png": "no longer on disk",
-                "img2.png": "no longer a regular file", "img3.png": "changed since it was indexed",
-                "img4.png": "outside the image folder", "img5.png": "outside the image folder"}
+    os.symlink(outside / "img5.png", s.images / "img5.png")  # moved out, linked back in
+    expected = {
+        "img0.png": "outside the image folder",
+        "img1.png": "no longer on disk",
+        "img2.png": "no longer a regular file",
+        "img3.png": "changed since it was indexed",
+        "img4.png": "outside the image folder",
+        "img5.png": "outside the image folder",
+    }
     for name, reason in expected.items():
         r = s.client.get(f"/api/items/{s.ids[name]}/image")
         assert r.status_code == 410, (name, r.status_code)
@@ -248,13 +284,19 @@ def small_limit_server(server):
 def test_upload_limit__chunked_body_is_refused_at_the_limit(small_limit_server):
     host, port = "127.0.0.1", small_limit_server.port
     boundary = "xyz"
-    head = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"image\"; filename=\"q.png\"\r\n"
-            "Content-Type: image/png\r\n\r\n").encode()
+    head = (
+        f'--{boundary}\r\nContent-Disposition: form-data; name="image"; filename="q.png"\r\n'
+        "Content-Type: image/png\r\n\r\n"
+    ).encode()
     chunk = b"\0" * (64 << 10)
     sent, answer = 0, b""
     with socket.create_connection((host, port), timeout=10) as sock:
-        sock.sendall((f"POST /api/search HTTP/1.1\r\nHost: {host}\r\nTransfer-Encoding: chunked\r\n"
-                      f"Content-Type: multipart/form-data; boundary={boundary}\r\n\r\n").encode())
+        sock.sendall(
+            (
+                f"POST /api/search HTTP/1.1\r\nHost: {host}\r\nTransfer-Encoding: chunked\r\n"
+                f"Content-Type: multipart/form-data; boundary={boundary}\r\n\r\n"
+            ).encode()
+        )
         try:
             for i in range(64 * 16):  # up to 64 MiB, 64 times the limit
                 piece = head + chunk if i == 0 else chunk
@@ -322,6 +364,7 @@ def test_upload_limit__reads_no_more_than_the_limit_whatever_the_application_doe
 # -- files that change while a run indexes them, and unreadable files -----------------------------------------
 def test_index__file_changed_or_deleted_after_the_scan(tmp_path, index_encoder, monkeypatch):
     import moco_retrieval.indexer.build as build
+
     images = tmp_path / "images"
     images.mkdir()
     for i in range(4):
@@ -330,13 +373,12 @@ def test_index__file_changed_or_deleted_after_the_scan(tmp_path, index_encoder, 
 
     def scan_then_change(*args, **kwargs):
         result = scan(*args, **kwargs)
-        (images / "img0.png").unlink()                                    # deleted after the scan
+        (images / "img0.png").unlink()  # deleted after the scan
         (images / "img1.png").write_bytes(encode(_pattern(40, 40, seed=77), "PNG"))  # rewritten after the scan
         return result
 
     monkeypatch.setattr(build, "scan_folder", scan_then_change)
-    cfg = IndexConfig(str(images), str(index_encoder), str(tmp_path / "index"), workers=0, progress=False,
-                      device="cpu")
+    cfg = IndexConfig(str(images), str(index_encoder), str(tmp_path / "index"), workers=0, progress=False, device="cpu")
     result = build_index_dir(cfg)
     assert [s["path"] for s in result.skipped] == ["img0.png"] and "not found" in result.skipped[0]["reason"]
     live = _live(tmp_path / "index")
@@ -364,9 +406,28 @@ def test_index__unreadable_file_and_folder_are_skipped_not_fatal(tmp_path, index
     os.chmod(images / "locked", 0)
     out = tmp_path / "index"
     try:
-        proc = subprocess.run(_without_permission_override(
-            [sys.executable, "-m", "moco_retrieval", "index", str(images), "--model", str(index_encoder), "--out",
-             str(out), "--workers", "0", "--no-progress"]), cwd=REPO, capture_output=True, text=True, timeout=120)
+        proc = subprocess.run(
+            _without_permission_override(
+                [
+                    sys.executable,
+                    "-m",
+                    "moco_retrieval",
+                    "index",
+                    str(images),
+                    "--model",
+                    str(index_encoder),
+                    "--out",
+                    str(out),
+                    "--workers",
+                    "0",
+                    "--no-progress",
+                ]
+            ),
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     finally:
         os.chmod(images / "locked", 0o755)
         os.chmod(images / "unreadable.png", 0o644)

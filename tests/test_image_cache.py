@@ -2,6 +2,7 @@
 unreadable files skipped with their reason and not retried until they change, dead rows compacted; and one cache
 with several readers: a subset update (the k-NN monitor's), a compaction, a sub-folder's cache or another
 process never drop entries or a rows file that a reader still holds."""
+
 from __future__ import annotations
 
 import os
@@ -37,8 +38,9 @@ def decodes(monkeypatch) -> list[str]:
 
 def _update(root, cache_root, side=40, **cache_options):
     """A training run's update: the walk of the whole folder."""
-    return ImageCache(root, side, cache_root, **cache_options).update(walk_image_files(root), workers=0,
-                                                                      progress=False, whole_folder=True)
+    return ImageCache(root, side, cache_root, **cache_options).update(
+        walk_image_files(root), workers=0, progress=False, whole_folder=True
+    )
 
 
 def test_cache_side__is_a_quarter_larger_than_the_training_size():
@@ -117,8 +119,12 @@ def _entries(cached) -> dict:
 
 def _expected_rows(root, files, side=40) -> np.ndarray:
     """What the cache must hold for ``files``, ``[N, side, side, 3]``: each decoded and squashed to the side."""
-    return np.stack([np.asarray(decode_image(root / f.path).resize((side, side), resample=Image.BILINEAR,
-                                                                   reducing_gap=None)) for f in files])
+    return np.stack(
+        [
+            np.asarray(decode_image(root / f.path).resize((side, side), resample=Image.BILINEAR, reducing_gap=None))
+            for f in files
+        ]
+    )
 
 
 def _assert_reads(cached, root, files, side=40) -> None:
@@ -157,7 +163,8 @@ def test_cache__compaction_keeps_the_old_rows_file_while_a_reader_holds_it(tmp_p
     reader.close()
     _update(data, tmp_path / "cache", compact_min_rows=4)  # the next update deletes what nobody holds
     assert sorted(p.name for p in compacted.folder.iterdir()) == sorted(
-        [".lock", INDEX_FILE, compacted.pixels_file.name])
+        [".lock", INDEX_FILE, compacted.pixels_file.name]
+    )
 
 
 def test_cache__a_sub_folder_has_its_own_cache_and_leaves_the_folders_alone(tmp_path, decodes):
@@ -204,8 +211,14 @@ _CONCURRENT_RUN = textwrap.dedent("""
 def _run_in_process(data, cache_root, mode) -> subprocess.Popen:
     repo = str(Path(__file__).resolve().parents[1])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH")) if p)}
-    return subprocess.Popen([sys.executable, "-c", _CONCURRENT_RUN, str(data), str(cache_root), mode], env=env,
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-c", _CONCURRENT_RUN, str(data), str(cache_root), mode],
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def test_cache__two_processes_at_once_decode_each_image_once_and_read_their_rows(tmp_path):
@@ -238,8 +251,9 @@ def test_cache__another_processs_compaction_leaves_a_running_readers_rows_file(t
 
 
 # -- the training run and its k-NN monitor ------------------------------------------------------------------------
-def test_train__monitor_on_a_subset_of_a_large_folder_neither_breaks_the_run_nor_the_next(tmp_path, monkeypatch,
-                                                                                           decodes, caplog):
+def test_train__monitor_on_a_subset_of_a_large_folder_neither_breaks_the_run_nor_the_next(
+    tmp_path, monkeypatch, decodes, caplog
+):
     """Issue 19: the monitor's 5,000-image sample of a 60,000-image folder used to drop the other entries and
     compact the cache, deleting the rows file the training loader was about to map (FileNotFoundError); the
     next run then decoded the 55,000 again. Here: 40 images, a monitor of 10, compaction from 4 rows."""
@@ -252,8 +266,16 @@ def test_train__monitor_on_a_subset_of_a_large_folder_neither_breaks_the_run_nor
     data = write_demo_dataset(tmp_path / "data", per_class=10, size=32, classes=("circle", "square", "star", "ring"))
 
     def config(out):
-        return tiny_train_config(data, tmp_path / out, epochs=1, batch_size=8, queue_size=16, knn_every=1,
-                                 knn_max_images=10, cache_dir=str(tmp_path / "cache"))
+        return tiny_train_config(
+            data,
+            tmp_path / out,
+            epochs=1,
+            batch_size=8,
+            queue_size=16,
+            knn_every=1,
+            knn_max_images=10,
+            cache_dir=str(tmp_path / "cache"),
+        )
 
     first = train(config("run1"))
     assert first.steps == 5 and first.knn_before is not None and first.knn_acc is not None

@@ -2,6 +2,7 @@
 truncated rows file and garbled rows are decoded again (one warning line), a cache written before checksums is
 used and gets them, and each threshold (block size, sample size) is crossed with lowered parameters on a few
 40 px rows (4,800 bytes each)."""
+
 from __future__ import annotations
 
 import json
@@ -35,13 +36,18 @@ def decodes(monkeypatch) -> list[str]:
 
 
 def _cache(data, tmp_path, rows_per_block=2, sample_blocks=100, **options) -> ImageCache:
-    return ImageCache(data, 40, tmp_path / "cache", block_bytes=rows_per_block * ROW, sample_blocks=sample_blocks,
-                      **options)
+    return ImageCache(
+        data, 40, tmp_path / "cache", block_bytes=rows_per_block * ROW, sample_blocks=sample_blocks, **options
+    )
 
 
 def _update(cache: ImageCache, files=None):
-    return cache.update(files if files is not None else walk_image_files(cache.root), workers=0, progress=False,
-                        whole_folder=files is None)
+    return cache.update(
+        files if files is not None else walk_image_files(cache.root),
+        workers=0,
+        progress=False,
+        whole_folder=files is None,
+    )
 
 
 def _index(cache: ImageCache) -> dict:
@@ -115,8 +121,7 @@ def test_cache__a_garbled_row_fails_its_block_checksum_and_the_block_is_decoded_
     assert decodes == []
 
 
-def test_cache__the_sample_reads_few_blocks_and_one_damaged_block_checks_them_all(data, tmp_path, decodes,
-                                                                                  monkeypatch):
+def test_cache__the_sample_reads_few_blocks_and_one_damaged_block_checks_them_all(data, tmp_path, decodes, monkeypatch):
     cache = _cache(data, tmp_path, rows_per_block=1, sample_blocks=2)  # 8 blocks of one row, 2 sampled
     _update(cache)
     checked = []
@@ -184,8 +189,9 @@ def test_cache__stale_checksums_of_another_rows_file_are_rebuilt_not_trusted(dat
 def test_cache__compaction_verifies_the_blocks_it_copies(data, tmp_path, decodes, caplog):
     cache = _cache(data, tmp_path, rows_per_block=2, sample_blocks=0, compact_min_rows=4)
     _update(cache)
-    moved = [data / "circle" / f"circle_{i:05d}.png" for i in (1, 2, 3)] + [data / "star" / f"star_{i:05d}.png"
-                                                                          for i in (0, 1, 2)]
+    moved = [data / "circle" / f"circle_{i:05d}.png" for i in (1, 2, 3)] + [
+        data / "star" / f"star_{i:05d}.png" for i in (0, 1, 2)
+    ]
     for path in moved:  # 6 of 8 rows die; circle_00000 (row 0, block 0) and star_00003 (row 7) stay
         path.rename(tmp_path / path.name)
     Image.new("RGB", (32, 32), (30, 30, 200)).save(data / "star" / "new.png")  # 9 rows, 3 live: compacted
@@ -207,8 +213,9 @@ def test_train__reruns_over_a_truncated_cache_with_one_warning(tmp_path, caplog)
     data = write_demo_dataset(tmp_path / "data", per_class=4, size=32, classes=("circle", "square", "star", "ring"))
 
     def config(out):
-        return tiny_train_config(data, tmp_path / out, epochs=1, batch_size=8, queue_size=8, amp=False,
-                                 cache_dir=str(tmp_path / "cache"))
+        return tiny_train_config(
+            data, tmp_path / out, epochs=1, batch_size=8, queue_size=8, amp=False, cache_dir=str(tmp_path / "cache")
+        )
 
     first, _ = _update(ImageCache(data, 40, tmp_path / "cache"))  # what an earlier run at 32 px left
     first.close()

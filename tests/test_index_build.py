@@ -1,5 +1,6 @@
 """``moco index`` end to end on real exported encoders, real FAISS and real LMDB: bad files, self-retrieval,
 incremental updates, resume after SIGKILL, model mismatch, CLI errors."""
+
 from __future__ import annotations
 
 import json
@@ -66,6 +67,7 @@ def test_index__count_is_readable_images_and_bad_files_are_reported(built, corpu
     assert "empty" in reasons["circle/empty.png"] and "too large" in reasons["ring/bomb.png"]
     assert "truncated" in reasons["circle/truncated.png"] and "not a readable image" in reasons["square/notes.jpg"]
     import json
+
     report = json.loads((out / "report.json").read_text())
     assert [s["path"] for s in report["skipped"]] == info["bad"]
     with IndexDirectory.open(out) as d:
@@ -102,8 +104,9 @@ def test_index__directory_is_self_sufficient(built, index_encoder):
         assert current_generation(out) == d.generation == "g000001"
 
 
-@pytest.mark.parametrize("index_type,factory_prefix", [("flat", "IDMap2,Flat"), ("hnsw", "IDMap2,HNSW"),
-                                                       ("ivf", "IVF")])
+@pytest.mark.parametrize(
+    "index_type,factory_prefix", [("flat", "IDMap2,Flat"), ("hnsw", "IDMap2,HNSW"), ("ivf", "IVF")]
+)
 def test_index__query_image_finds_itself(index_type, factory_prefix, corpus, index_encoder, tmp_path):
     data, info = corpus
     result = build_index_dir(_cfg(data, index_encoder, tmp_path / "idx", index_type=index_type))
@@ -115,8 +118,9 @@ def test_index__query_image_finds_itself(index_type, factory_prefix, corpus, ind
         queries = info["good"][1::5]
         D, I = d.index.search(encoder.embed_images([data / p for p in queries]), 2)
         for path, scores, ids in zip(queries, D, I):
-            assert d.record(ids[0])["path"] == path or d.record(ids[0])["sha256"] == d.record(
-                d.id_of_path(path))["sha256"]
+            assert (
+                d.record(ids[0])["path"] == path or d.record(ids[0])["sha256"] == d.record(d.id_of_path(path))["sha256"]
+            )
             assert scores[0] == pytest.approx(1.0, abs=1e-4)
 
 
@@ -153,6 +157,7 @@ def test_index__incremental_add_delete_modify_then_unchanged(corpus, index_encod
         assert after[modified] != before[modified] and d.record(before[modified]) is None
         assert min(after[p] for p in added + [modified]) >= first.count  # ids are never reused
         import hashlib
+
         assert d.record(after[modified])["sha256"] == hashlib.sha256((data / modified).read_bytes()).hexdigest()
         for p in removed:
             assert d.record(before[p]) is None
@@ -164,8 +169,24 @@ def test_index__incremental_add_delete_modify_then_unchanged(corpus, index_encod
 
 def test_index__resume_after_sigkill_equals_uninterrupted_run(shapes_dir, index_encoder, tmp_path):
     killed = tmp_path / "killed"
-    cmd = [sys.executable, "-m", "moco_retrieval", "index", str(shapes_dir), "--model", str(index_encoder), "--out",
-           str(killed), "--workers", "0", "--batch-size", "2", "--shard-size", "2", "--no-progress"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "moco_retrieval",
+        "index",
+        str(shapes_dir),
+        "--model",
+        str(index_encoder),
+        "--out",
+        str(killed),
+        "--workers",
+        "0",
+        "--batch-size",
+        "2",
+        "--shard-size",
+        "2",
+        "--no-progress",
+    ]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
     try:
@@ -181,7 +202,7 @@ def test_index__resume_after_sigkill_equals_uninterrupted_run(shapes_dir, index_
 
     resumed = build_index_dir(_cfg(shapes_dir, index_encoder, killed))
     assert resumed.resumed >= 6 and resumed.embedded + resumed.resumed == 96
-    whole = build_index_dir(_cfg(shapes_dir, index_encoder, tmp_path / "whole"))
+    build_index_dir(_cfg(shapes_dir, index_encoder, tmp_path / "whole"))
     assert not (killed / "work").exists()
     with IndexDirectory.open(killed) as a, IndexDirectory.open(tmp_path / "whole") as b:
         assert _live(a) == _live(b) and a.manifest.count == b.manifest.count == 96
@@ -195,20 +216,19 @@ def test_index__resume_after_sigkill_equals_uninterrupted_run(shapes_dir, index_
 # A `moco index` run SIGKILLed at a chosen point of each phase: the patches run in the child before its main().
 _KILL_AT = {
     # the folder was scanned, nothing embedded yet
-    "after_scan": "orig = build.scan_folder\n"
-                  "build.scan_folder = lambda *a, **k: (orig(*a, **k), die())[0]",
+    "after_scan": "orig = build.scan_folder\nbuild.scan_folder = lambda *a, **k: (orig(*a, **k), die())[0]",
     # two shards finished, the third one being written
     "mid_embedding": "orig, calls = WorkShards.flush, [0]\n"
-                     "def flush(self):\n"
-                     "    calls[0] += 1\n"
-                     "    if calls[0] == 3: die()\n"
-                     "    orig(self)\n"
-                     "WorkShards.flush = flush",
+    "def flush(self):\n"
+    "    calls[0] += 1\n"
+    "    if calls[0] == 3: die()\n"
+    "    orig(self)\n"
+    "WorkShards.flush = flush",
     # staging store and vector block committed, the FAISS parts being built (an update adds a delta index)
     "mid_faiss_build": "faiss_index.build_index = update.update_faiss = lambda *a, **k: die()",
     # the generation renamed into place, CURRENT about to be replaced
     "at_publish": "orig = layout.write_text_atomic\n"
-                  "layout.write_text_atomic = lambda path, text: die() if path.name == 'CURRENT' else orig(path, text)",
+    "layout.write_text_atomic = lambda path, text: die() if path.name == 'CURRENT' else orig(path, text)",
 }
 _KILLED_RUN = """
 import os, signal, sys
@@ -262,14 +282,30 @@ def uninterrupted_update(small_corpus, index_encoder, tmp_path_factory):
 
 @pytest.mark.parametrize("phase", sorted(_KILL_AT))
 def test_index__sigkill_at_each_phase_of_an_update_keeps_the_old_generation_and_recovers(
-        phase, small_corpus, index_encoder, uninterrupted_update, tmp_path):
+    phase, small_corpus, index_encoder, uninterrupted_update, tmp_path
+):
     data, out = tmp_path / "images", tmp_path / "index"
     shutil.copytree(small_corpus, data)
     build_index_dir(_cfg(data, index_encoder, out, shard_size=2))
     _change_corpus(data)
-    cmd = [sys.executable, "-c", _KILLED_RUN.format(patch=_KILL_AT[phase]), "index", str(data), "--model",
-           str(index_encoder), "--out", str(out), "--workers", "0", "--batch-size", "2", "--shard-size", "2",
-           "--no-progress"]
+    cmd = [
+        sys.executable,
+        "-c",
+        _KILLED_RUN.format(patch=_KILL_AT[phase]),
+        "index",
+        str(data),
+        "--model",
+        str(index_encoder),
+        "--out",
+        str(out),
+        "--workers",
+        "0",
+        "--batch-size",
+        "2",
+        "--shard-size",
+        "2",
+        "--no-progress",
+    ]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     left = {p.name for p in (out / "generations").iterdir()}
@@ -296,12 +332,14 @@ def test_index__sigkill_at_each_phase_of_an_update_keeps_the_old_generation_and_
         blocks = {p.name.split(".")[0] for p in (out / "vectors").iterdir()}
         assert blocks == set(got.manifest.vector_blocks)  # no vector block that no manifest lists
         ids = sorted(_live(got).values())
-        np.testing.assert_allclose(np.stack([got.index.reconstruct(i) for i in ids]),
-                                   np.stack([want.index.reconstruct(i) for i in ids]), atol=1e-5)
+        np.testing.assert_allclose(
+            np.stack([got.index.reconstruct(i) for i in ids]),
+            np.stack([want.index.reconstruct(i) for i in ids]),
+            atol=1e-5,
+        )
 
 
-def test_index__other_model_is_refused_and_rebuild_starts_over(built, corpus, index_encoder, other_encoder,
-                                                               tmp_path):
+def test_index__other_model_is_refused_and_rebuild_starts_over(built, corpus, index_encoder, other_encoder, tmp_path):
     data, info = corpus
     out = tmp_path / "idx"
     first = build_index_dir(_cfg(data, index_encoder, out))
@@ -335,14 +373,14 @@ def test_index__reader_of_old_generation_stays_valid_after_publish(corpus, index
 
 
 def _cli(*args, cwd=REPO) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "moco_retrieval", *map(str, args)], cwd=cwd, capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "moco_retrieval", *map(str, args)], cwd=cwd, capture_output=True, text=True, timeout=120
+    )
 
 
 def test_index_cli__builds_and_prints_summary_and_skipped(corpus, index_encoder, tmp_path):
     data, info = corpus
-    proc = _cli("index", data, "--model", index_encoder, "--out", tmp_path / "idx", "--workers", "0",
-                "--no-progress")
+    proc = _cli("index", data, "--model", index_encoder, "--out", tmp_path / "idx", "--workers", "0", "--no-progress")
     assert proc.returncode == 0, proc.stderr
     assert f"images in index       {len(info['good'])}" in proc.stdout
     for bad in info["bad"]:
@@ -387,8 +425,10 @@ def test_index__second_writer_is_refused_while_one_runs(corpus, index_encoder, t
 
 def test_index_cli__missing_model_or_folder_fails_before_anything_is_created(corpus, index_encoder, tmp_path):
     data, _ = corpus
-    for args, code, words in (((data, "--model", tmp_path / "missing.onnx"), 4, "missing.onnx"),
-                              ((tmp_path / "no-images", "--model", index_encoder), 3, "image folder not found")):
+    for args, code, words in (
+        ((data, "--model", tmp_path / "missing.onnx"), 4, "missing.onnx"),
+        ((tmp_path / "no-images", "--model", index_encoder), 3, "image folder not found"),
+    ):
         out = tmp_path / "idx"
         proc = _cli("index", *args, "--out", out, "--workers", "0", "--no-progress")
         assert proc.returncode == code, proc.stderr

@@ -10,6 +10,7 @@ the damage stays in one file of one generation), damages one file, then runs ``m
 left ``CURRENT`` and the generations as they were, and once the file is restored both generations answer
 exactly what they answered before the damage.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -75,12 +76,19 @@ def run_commands(commands: list[tuple[str, list[str]]], work: Path) -> dict[str,
     """Run ``moco`` commands in one child process (see ``_DRIVER``): name -> {rc, stdout, stderr}."""
     results = work / "results.jsonl"
     results.unlink(missing_ok=True)
-    proc = subprocess.run([sys.executable, "-c", _DRIVER, json.dumps([(n, list(map(str, a))) for n, a in commands]),
-                           str(results)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", _DRIVER, json.dumps([(n, list(map(str, a))) for n, a in commands]), str(results)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     lines = [json.loads(line) for line in results.read_text().splitlines()] if results.exists() else []
     started = [line["start"] for line in lines if "start" in line]
-    assert proc.returncode == 0, (f"the child died with {proc.returncode} during `moco {started[-1:]}`"
-                                  f" (-7: SIGBUS, -11: SIGSEGV); stderr: {proc.stderr[-2000:]}")
+    assert proc.returncode == 0, (
+        f"the child died with {proc.returncode} during `moco {started[-1:]}`"
+        f" (-7: SIGBUS, -11: SIGSEGV); stderr: {proc.stderr[-2000:]}"
+    )
     return {line["name"]: line for line in lines if "name" in line}
 
 
@@ -91,8 +99,7 @@ def check_one_line(name: str, result: dict) -> str:
     assert "Traceback" not in stderr, f"{name}: {stderr}"
     assert result["rc"] in (0, 1, 2, 3, 4, 5, 6, 7), f"{name}: rc {result['rc']}: {stderr}"
     errors = [line for line in stderr.splitlines() if line.startswith("moco: error:")]
-    others = [line for line in stderr.splitlines() if not line.startswith("moco: error:") and not
-              _LOG_LINE.match(line)]
+    others = [line for line in stderr.splitlines() if not line.startswith("moco: error:") and not _LOG_LINE.match(line)]
     assert not others, f"{name}: lines besides the error and the log: {others}"
     assert len(errors) == (0 if result["rc"] == 0 else 1), f"{name}: {stderr}"
     return errors[0] if errors else ""
@@ -109,8 +116,7 @@ def snapshot(index: Path, generation: str) -> dict:
 
 
 def _build(images: Path, encoder: Path, out: Path):
-    return build_index_dir(IndexConfig(str(images), str(encoder), str(out), workers=0, progress=False,
-                                       device="cpu"))
+    return build_index_dir(IndexConfig(str(images), str(encoder), str(out), workers=0, progress=False, device="cpu"))
 
 
 @pytest.fixture(scope="module")
@@ -127,9 +133,14 @@ def pristine(tmp_path_factory):
     shutil.copyfile(root / "more" / "blue" / "blue_000.png", images / "blue" / "blue_new.png")
     assert _build(images, encoder, index).generation == LIVE
     (images / GONE).unlink()
-    return SimpleNamespace(root=root, images=images, encoder=encoder, index=index,
-                           query=images / "blue" / "blue_new.png",
-                           snapshots={g: snapshot(index, g) for g in (PREVIOUS, LIVE)})
+    return SimpleNamespace(
+        root=root,
+        images=images,
+        encoder=encoder,
+        index=index,
+        query=images / "blue" / "blue_new.png",
+        snapshots={g: snapshot(index, g) for g in (PREVIOUS, LIVE)},
+    )
 
 
 # -- damages -------------------------------------------------------------------------------------------------
@@ -140,6 +151,7 @@ def _garble(at: Callable[[int], int]) -> Callable[[Path], None]:
         for i in range(start, min(len(data), start + 64)):
             data[i] ^= 0xA5
         path.write_bytes(bytes(data))
+
     return damage
 
 
@@ -155,12 +167,12 @@ DAMAGES: dict[str, Callable[[Path], None]] = {
 
 @dataclass(frozen=True)
 class Case:
-    target: str                    # the damaged file, relative to the index directory
+    target: str  # the damaged file, relative to the index directory
     damage: Callable[[Path], None]
-    named: str                     # what the error lines must name
+    named: str  # what the error lines must name
     id: str
-    search: frozenset              # the return codes `moco search` may end with
-    update: frozenset              # ... and the update (`moco index --verify` always refuses: 4)
+    search: frozenset  # the return codes `moco search` may end with
+    update: frozenset  # ... and the update (`moco index --verify` always refuses: 4)
 
 
 REFUSED, ANSWERS, EITHER = frozenset({4}), frozenset({0}), frozenset({0, 4})
@@ -172,12 +184,20 @@ def _current(content: bytes | None) -> Callable[[Path], None]:
             path.unlink()
         else:
             path.write_bytes(content)
+
     return damage
 
 
-CURRENT_CASES = [Case("CURRENT", _current(content), "CURRENT", f"CURRENT-{kind}", REFUSED, REFUSED)
-                 for kind, content in (("deleted", None), ("emptied", b""), ("garbage", b"\x00\xffnot a name\n"),
-                                       ("dotdot", b"../..\n"), ("absent-generation", b"g000007\n"))]
+CURRENT_CASES = [
+    Case("CURRENT", _current(content), "CURRENT", f"CURRENT-{kind}", REFUSED, REFUSED)
+    for kind, content in (
+        ("deleted", None),
+        ("emptied", b""),
+        ("garbage", b"\x00\xffnot a name\n"),
+        ("dotdot", b"../..\n"),
+        ("absent-generation", b"g000007\n"),
+    )
+]
 SIZE_OR_HEADER = ("truncated", "emptied", "deleted", "garbled-head")  # found by every open
 GENERATION_FILES = {  # file of the live generation -> (what an error about it must name, (search, update) codes)
     "manifest.json": ("manifest.json", lambda kind: (REFUSED, REFUSED)),
@@ -195,30 +215,48 @@ GENERATION_FILES = {  # file of the live generation -> (what an error about it m
 # the base's rows and the ids of the rows the update added: a flat index searches without them; an update
 # carries them forward (their sizes checked), a compaction and --verify hash them
 BLOCK_FILES = ("g000001.vec.npy", "g000002.ids.npy")
-FILE_CASES = [Case(f"generations/{LIVE}/{name}", damage, named, f"{name}-{kind}", *expect(kind))
-              for name, (named, expect) in GENERATION_FILES.items() for kind, damage in DAMAGES.items()]
-BLOCK_CASES = [Case(f"vectors/{name}", damage, name.split(".")[0], f"{name}-{kind}", ANSWERS,
-                    REFUSED if kind in ("truncated", "emptied", "deleted") else ANSWERS)
-               for name in BLOCK_FILES for kind, damage in DAMAGES.items()]
+FILE_CASES = [
+    Case(f"generations/{LIVE}/{name}", damage, named, f"{name}-{kind}", *expect(kind))
+    for name, (named, expect) in GENERATION_FILES.items()
+    for kind, damage in DAMAGES.items()
+]
+BLOCK_CASES = [
+    Case(
+        f"vectors/{name}",
+        damage,
+        name.split(".")[0],
+        f"{name}-{kind}",
+        ANSWERS,
+        REFUSED if kind in ("truncated", "emptied", "deleted") else ANSWERS,
+    )
+    for name in BLOCK_FILES
+    for kind, damage in DAMAGES.items()
+]
 CASES = CURRENT_CASES + FILE_CASES + BLOCK_CASES
 
 
 def _copy_index(src: Path, dst: Path, case: Case) -> None:
     """A copy whose files are all its own, except the encoders where they are not damaged: hard links to the
     fixture's (nothing writes an encoder in place) keep each case's copy small."""
+
     def copy(s, d):
         if Path(s).name == "encoder.onnx" and not case.target.endswith("encoder.onnx"):
             os.link(s, d)
         else:
             shutil.copy2(s, d)
+
     shutil.copytree(src, dst, copy_function=copy)
 
 
 def _commands(pristine, index: Path) -> list[tuple[str, list]]:
-    return [("search", ["search", index, pristine.query, "-k", "3", "--json"]),
-            ("verify", ["index", "--verify", "--out", index]),
-            ("update", ["index", pristine.images, "--model", pristine.encoder, "--out", index, "--workers", "0",
-                        "--no-progress"])]
+    return [
+        ("search", ["search", index, pristine.query, "-k", "3", "--json"]),
+        ("verify", ["index", "--verify", "--out", index]),
+        (
+            "update",
+            ["index", pristine.images, "--model", pristine.encoder, "--out", index, "--workers", "0", "--no-progress"],
+        ),
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -243,8 +281,9 @@ def test_damaged_index__one_line_errors_and_nothing_lost(case, pristine, answers
     results = run_commands(_commands(pristine, index), tmp_path)
     errors = {name: check_one_line(name, result) for name, result in results.items()}
     for name, expected in (("search", case.search), ("verify", REFUSED), ("update", case.update)):
-        assert results[name]["rc"] in expected, f"{name}: rc {results[name]['rc']}, expected {set(expected)}: " \
-                                                 f"{errors[name]}"
+        assert results[name]["rc"] in expected, (
+            f"{name}: rc {results[name]['rc']}, expected {set(expected)}: {errors[name]}"
+        )
         if results[name]["rc"]:
             assert case.named in errors[name], f"{name}: {errors[name]}"
     if case in CURRENT_CASES:
@@ -278,8 +317,17 @@ def test_damaged_current__rebuild_starts_over_after_the_newest_generation(pristi
     (index / "CURRENT").write_text("../..\n")
     with IndexDirectory(index, LIVE) as d:
         next_id = d.manifest.next_id
-    result = build_index_dir(IndexConfig(str(pristine.images), str(pristine.encoder), str(index), workers=0,
-                                         progress=False, device="cpu", rebuild=True))
+    result = build_index_dir(
+        IndexConfig(
+            str(pristine.images),
+            str(pristine.encoder),
+            str(index),
+            workers=0,
+            progress=False,
+            device="cpu",
+            rebuild=True,
+        )
+    )
     assert result.generation == "g000003" and (index / "CURRENT").read_text() == "g000003\n"
     assert sorted(p.name for p in (index / "generations").iterdir()) == [LIVE, "g000003"]
     with IndexDirectory.open(index) as d:
@@ -364,9 +412,12 @@ def _unshare_prefix() -> list[str] | None:
     if shutil.which("unshare") is None:
         return None
     prefix = ["unshare", "--mount"] + ([] if os.geteuid() == 0 else ["--map-root-user"])
-    probe = subprocess.run(prefix + ["sh", "-c", "mount -t tmpfs -o size=64k tmpfs /mnt 2>/dev/null || "
-                                                 "mount -t tmpfs -o size=64k tmpfs /tmp"],
-                           capture_output=True, timeout=30)
+    probe = subprocess.run(
+        prefix
+        + ["sh", "-c", "mount -t tmpfs -o size=64k tmpfs /mnt 2>/dev/null || mount -t tmpfs -o size=64k tmpfs /tmp"],
+        capture_output=True,
+        timeout=30,
+    )
     return prefix if probe.returncode == 0 else None
 
 
@@ -382,8 +433,19 @@ def test_disk_full__a_small_tmpfs_at_every_fill_level_gives_one_line_never_a_sig
     encoder = write_tiny_encoder(tmp_path / "encoder.onnx", d=256)
     images = write_colour_corpus(tmp_path / "images", 60, seed=23)  # 240 images: 240 kB of vectors per copy
     full = tmp_path / "full"
-    argv = [sys.executable, "-m", "moco_retrieval", "index", str(images), "--model", str(encoder), "--workers", "0",
-            "--no-progress", "--out"]
+    argv = [
+        sys.executable,
+        "-m",
+        "moco_retrieval",
+        "index",
+        str(images),
+        "--model",
+        str(encoder),
+        "--workers",
+        "0",
+        "--no-progress",
+        "--out",
+    ]
     subprocess.run(argv + [str(full)], cwd=REPO, check=True, capture_output=True, timeout=120)
     needed = sum(p.stat().st_size for p in full.rglob("*") if p.is_file()) + (len(list(full.rglob("*"))) << 12)
     disk = tmp_path / "disk"
@@ -392,8 +454,13 @@ def test_disk_full__a_small_tmpfs_at_every_fill_level_gives_one_line_never_a_sig
     for fraction in (0.1, 0.25, 0.4, 0.55, 0.75):  # measured: shards, block (free space), block, FAISS, encoder
         size_kb = max(64, int(needed * fraction) >> 10)
         script = 'mount -t tmpfs -o size="$1"k tmpfs "$2" && shift 2 && exec "$@"'
-        proc = subprocess.run(prefix + ["sh", "-c", script, "sh", str(size_kb), str(disk)] + argv + [str(disk / "i")],
-                              cwd=REPO, capture_output=True, text=True, timeout=120)
+        proc = subprocess.run(
+            prefix + ["sh", "-c", script, "sh", str(size_kb), str(disk)] + argv + [str(disk / "i")],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert proc.returncode in (0, 5), f"{size_kb} kB: exit {proc.returncode} (-7: SIGBUS): {proc.stderr[-1500:]}"
         error = check_one_line(f"{size_kb} kB", {"rc": proc.returncode, "stderr": proc.stderr})
         assert proc.returncode == 0 or "disk full" in error or "cannot write" in error, error
@@ -423,16 +490,19 @@ def _rewrite_base(index: Path, change: Callable) -> None:
 def _scaled(value: float):
     def change(codes, ids):
         codes[ids == 1] = value  # item 1: every query's best match, at a score of ~1e36 (or NaN)
+
     return change
 
 
 def _foreign_id(codes, ids):
-    ids[ids == 1] = 10 ** 12  # an id no run ever gave out
+    ids[ids == 1] = 10**12  # an id no run ever gave out
 
 
-@pytest.mark.parametrize("change, message", [(_scaled(1e35), "at a score of"),
-                                             (_foreign_id, "the id 1000000000000, which it never gave out")],
-                         ids=["score-1e36", "foreign-id"])
+@pytest.mark.parametrize(
+    "change, message",
+    [(_scaled(1e35), "at a score of"), (_foreign_id, "the id 1000000000000, which it never gave out")],
+    ids=["score-1e36", "foreign-id"],
+)
 def test_engine__refuses_a_result_only_damage_makes_and_logs_it_once(change, message, pristine, tmp_path, caplog):
     from moco_retrieval.contracts.errors import ArtifactError
     from moco_retrieval.serve.engine import EngineConfig, SearchEngine
@@ -464,8 +534,12 @@ def test_api__a_damaged_result_answers_409_in_one_line(pristine, tmp_path):
     with SearchEngine(index, EngineConfig(device="cpu", threads=1, poll_seconds=0)) as engine:
         server = RunningServer(make_app(engine, ui=False))
         try:
-            r = httpx.post(server.url + "/api/search", files={"image": ("q.png", pristine.query.read_bytes())},
-                           params={"k": 3}, timeout=30)
+            r = httpx.post(
+                server.url + "/api/search",
+                files={"image": ("q.png", pristine.query.read_bytes())},
+                params={"k": 3},
+                timeout=30,
+            )
             assert r.status_code == 409 and "outside [-1, 1]" in r.json()["error"] and "\n" not in r.json()["error"]
             assert httpx.get(server.url + "/api/health", timeout=10).status_code == 200  # and it still serves
         finally:
@@ -511,9 +585,26 @@ def test_manifest__version_2_without_checksums_still_opens_verifies_and_updates(
         path.write_text(json.dumps(raw))
     assert snapshot(index, LIVE) == pristine.snapshots[LIVE]
     assert not verify_index_dir(index).recorded
-    results = run_commands([("verify", ["index", "--verify", "--out", index]),
-                            ("update", ["index", pristine.images, "--model", pristine.encoder, "--out", index,
-                                        "--workers", "0", "--no-progress"])], tmp_path)
+    results = run_commands(
+        [
+            ("verify", ["index", "--verify", "--out", index]),
+            (
+                "update",
+                [
+                    "index",
+                    pristine.images,
+                    "--model",
+                    pristine.encoder,
+                    "--out",
+                    index,
+                    "--workers",
+                    "0",
+                    "--no-progress",
+                ],
+            ),
+        ],
+        tmp_path,
+    )
     assert results["verify"]["rc"] == 0 and "records no checksums" in results["verify"]["stdout"]
     assert results["update"]["rc"] == 0, results["update"]["stderr"]
     verified = verify_index_dir(index)
@@ -526,9 +617,26 @@ def test_serve__refuses_to_start_on_a_damaged_index_in_one_line(pristine, tmp_pa
     shutil.copytree(pristine.index, index)
     DAMAGES["truncated"](index / "generations" / LIVE / "delta.lmdb" / "data.mdb")
     for workers in ("1", "2"):
-        proc = subprocess.run([sys.executable, "-m", "moco_retrieval", "serve", str(index), "--port", "0", "--workers",
-                               workers, "--device", "cpu", "--no-ui"], cwd=REPO, capture_output=True, text=True,
-                              timeout=60)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "moco_retrieval",
+                "serve",
+                str(index),
+                "--port",
+                "0",
+                "--workers",
+                workers,
+                "--device",
+                "cpu",
+                "--no-ui",
+            ],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         error = check_one_line(f"serve --workers {workers}", {"rc": proc.returncode, "stderr": proc.stderr})
         assert proc.returncode == 4 and "delta.lmdb/data.mdb has" in error and "(truncated or replaced)" in error
 
@@ -564,8 +672,16 @@ def test_ivfpq_on_disk__its_trained_and_list_files_are_checked_too(name, tmp_pat
     data, out = tmp_path / "images", tmp_path / "index"
     emb = SyntheticEmbedder(tmp_path / "model", d=32)
     touch_files(data, _names(0, 600))
-    cfg = IndexConfig(str(data), str(emb.encoder.path), str(out), workers=0, progress=False, shard_size=256,
-                      index_type="ivfpq", max_index_memory=1000)
+    cfg = IndexConfig(
+        str(data),
+        str(emb.encoder.path),
+        str(out),
+        workers=0,
+        progress=False,
+        shard_size=256,
+        index_type="ivfpq",
+        max_index_memory=1000,
+    )
     build_index_dir(cfg, embedder=emb)
     path = out / "generations" / PREVIOUS / name
     assert path.is_file() and verify_index_dir(out).checked.hashed == 7  # 5 files, the block's 2

@@ -1,5 +1,6 @@
 """``moco index`` over several processes: real ``torchrun`` launches (and hand-launched ranks with RANK /
 WORLD_SIZE, to kill one), the real encoder, FAISS and LMDB. Ranks meet through files in INDEX_DIR/work/."""
+
 from __future__ import annotations
 
 import os
@@ -24,14 +25,40 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
 
 
 def _index_args(data: Path, model: Path, out: Path, *extra: str) -> list[str]:
-    return ["index", str(data), "--model", str(model), "--out", str(out), "--workers", "0", "--device", "cpu",
-            "--no-progress", *extra]
+    return [
+        "index",
+        str(data),
+        "--model",
+        str(model),
+        "--out",
+        str(out),
+        "--workers",
+        "0",
+        "--device",
+        "cpu",
+        "--no-progress",
+        *extra,
+    ]
 
 
 def _torchrun(args: list[str], ranks: int = 2, timeout: int = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           f"--nproc_per_node={ranks}", "-m", "moco_retrieval", *args], cwd=REPO, env=ENV,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={ranks}",
+            "-m",
+            "moco_retrieval",
+            *args,
+        ],
+        cwd=REPO,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def _single(data: Path, model: Path, out: Path, **kw):
@@ -45,8 +72,9 @@ def _same_index(a: Path, b: Path) -> None:
         ids = x.index.ids()
         np.testing.assert_array_equal(ids, y.index.ids())
         assert [x.record(i) for i in ids] == [y.record(i) for i in ids]  # same paths get the same ids
-        np.testing.assert_allclose(np.stack([x.index.reconstruct(i) for i in ids]),
-                                   np.stack([y.index.reconstruct(i) for i in ids]), atol=1e-5)
+        np.testing.assert_allclose(
+            np.stack([x.index.reconstruct(i) for i in ids]), np.stack([y.index.reconstruct(i) for i in ids]), atol=1e-5
+        )
         assert x.manifest.count == y.manifest.count and x.manifest.labels == y.manifest.labels
 
 
@@ -73,14 +101,19 @@ def test_index_ranks__two_torchrun_ranks_equal_one_process(shapes_dir, index_enc
 
 def _launch_rank(rank: int, args: list[str]) -> subprocess.Popen:
     env = {**ENV, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2"}
-    return subprocess.Popen([sys.executable, "-m", "moco_retrieval", *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "moco_retrieval", *args],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def test_index_ranks__a_killed_rank_resumes_on_rerun(shapes_dir, index_encoder, tmp_path):
     out = tmp_path / "killed"
-    args = _index_args(shapes_dir, index_encoder, out, "--shard-size", "2", "--batch-size", "2",
-                       "--rank-timeout", "3")
+    args = _index_args(shapes_dir, index_encoder, out, "--shard-size", "2", "--batch-size", "2", "--rank-timeout", "3")
     rank0, rank1 = _launch_rank(0, args), _launch_rank(1, args)
     try:
         deadline = time.monotonic() + 120

@@ -1,5 +1,6 @@
 """The parts of ``moco index`` on their own, with numpy vectors and tiny files: FAISS choice, recall and
 ground truth; the LMDB store; resumable shards; scanning rules; the directory layout and its errors."""
+
 from __future__ import annotations
 
 import errno
@@ -30,7 +31,7 @@ def _clustered(n: int, d: int = 32, clusters: int = 20, seed: int = 0) -> np.nda
 
 
 def _source(ids: np.ndarray, xb: np.ndarray, block: int = 700):
-    return lambda: iter([(ids[i:i + block], xb[i:i + block]) for i in range(0, len(ids), block)])
+    return lambda: iter([(ids[i : i + block], xb[i : i + block]) for i in range(0, len(ids), block)])
 
 
 # -- FAISS ------------------------------------------------------------------------------------------------------
@@ -55,7 +56,7 @@ def test_choose_factory__auto_grows_with_corpus_and_memory():
     assert choose_factory("auto", 5_000_000, 512, memory=64 << 30).endswith(",Flat")
     assert choose_factory("auto", 5_000_000, 512, memory=64 << 30).startswith("IVF")
     assert choose_factory("auto", 50_000_000, 512, memory=64 << 30).endswith(",PQ64x8np")
-    assert choose_factory("HNSW16", 10, 8) == "IDMap2,HNSW16"      # a factory string without ids gets IDMap2
+    assert choose_factory("HNSW16", 10, 8) == "IDMap2,HNSW16"  # a factory string without ids gets IDMap2
     assert choose_factory("IVF4,Flat", 10, 8) == "IVF4,Flat"
     with pytest.raises(ConfigError, match="factory string"):
         choose_factory("bogus", 10, 8)
@@ -93,15 +94,18 @@ def test_build_index__wrong_count_is_an_index_build_error():
         build_index("IDMap2,Flat", 8, 150, _source(np.arange(100), xb))
 
 
-@pytest.mark.parametrize("factory, kind, nlist, pq_m, exact", [
-    ("IDMap2,Flat", "flat", None, None, True),
-    ("IDMap2,HNSW32", "hnsw", None, None, False),
-    ("IVF1024,Flat", "ivf", 1024, None, False),
-    ("IVF1024,PQ64x8np", "ivfpq", 1024, 64, False),
-    ("OPQ16_64,IVF1024,Flat", "custom", 1024, None, False),   # "PQ" in the string, but Flat codes
-    ("IVF1024_HNSW32,PQ16", "custom", 1024, 16, False),
-    ("IDMap2,PCA16,Flat", "custom", None, None, False),
-])
+@pytest.mark.parametrize(
+    "factory, kind, nlist, pq_m, exact",
+    [
+        ("IDMap2,Flat", "flat", None, None, True),
+        ("IDMap2,HNSW32", "hnsw", None, None, False),
+        ("IVF1024,Flat", "ivf", 1024, None, False),
+        ("IVF1024,PQ64x8np", "ivfpq", 1024, 64, False),
+        ("OPQ16_64,IVF1024,Flat", "custom", 1024, None, False),  # "PQ" in the string, but Flat codes
+        ("IVF1024_HNSW32,PQ16", "custom", 1024, 16, False),
+        ("IDMap2,PCA16,Flat", "custom", None, None, False),
+    ],
+)
 def test_factory__questions_are_answered_from_its_components(factory, kind, nlist, pq_m, exact):
     parsed = Factory.parse(factory)
     assert (parsed.kind, parsed.nlist, parsed.pq_m, parsed.exact) == (kind, nlist, pq_m, exact)
@@ -121,13 +125,24 @@ def test_factory__opq_with_flat_codes_keeps_float32_blocks_and_no_re_ranking():
 
 # -- LMDB -------------------------------------------------------------------------------------------------------
 def _rec(i: int, path: str, sha: str) -> dict:
-    return {"id": i, "path": path, "label": "a", "width": 1, "height": 1, "bytes": 1, "sha256": sha,
-            "mtime": 0.0, "mtime_ns": 0}
+    return {
+        "id": i,
+        "path": path,
+        "label": "a",
+        "width": 1,
+        "height": 1,
+        "bytes": 1,
+        "sha256": sha,
+        "mtime": 0.0,
+        "mtime_ns": 0,
+    }
 
 
 def test_metadata__duplicates_tombstones_and_promotion(tmp_path):
     with MetadataStore(tmp_path / "m", readonly=False) as store:
-        store.add_items([_rec(0, "a.png", "s1"), _rec(1, "b.png", "s1"), _rec(2, "c.png", "s1"), _rec(3, "d.png", "s2")])
+        store.add_items(
+            [_rec(0, "a.png", "s1"), _rec(1, "b.png", "s1"), _rec(2, "c.png", "s1"), _rec(3, "d.png", "s2")]
+        )
         assert [store.record(i)["duplicate_of"] for i in range(4)] == [None, 0, 0, None]
         store.remove_items([0], "g000002")  # the original goes: the next copy becomes the original
         assert store.record(0) is None and store.tombstone(0)["removed_in"] == "g000002"
@@ -194,10 +209,10 @@ def test_scan__sorted_labels_hidden_symlinks(tmp_path):
     for rel in ["b/2.png", "b/1.JPG", "a/x/3.png", "top.png", ".hid/4.png", "a/.5.png", "a/6.txt"]:
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         (root / rel).write_bytes(b"x")
-    os.symlink(root / "b", root / "c")                      # a second link to folder b: walked once
+    os.symlink(root / "b", root / "c")  # a second link to folder b: walked once
     os.symlink(root / "a" / "x", root / "a" / "x" / "loop")  # a loop: not walked again
     os.symlink(root / "gone.png", root / "b" / "broken.png")  # a broken link: reported
-    os.symlink(root / "top.png", root / "b" / "linked.png")   # a linked file: indexed under its link
+    os.symlink(root / "top.png", root / "b" / "linked.png")  # a linked file: indexed under its link
     result = scan_folder(root)
     assert [e.path for e in result.entries] == ["a/x/3.png", "b/1.JPG", "b/2.png", "b/linked.png", "top.png"]
     assert [e.label for e in result.entries] == ["a", "b", "b", "b", None]

@@ -1,5 +1,6 @@
 """Searching a generation: memory-mapped bases, base - removed + delta as one index, re-ranking from stored
 vectors, and the GPU guards (tested with the CPU build: a fake GPU count and cloner)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -38,10 +39,24 @@ def test_index_dir__base_is_memory_mapped_and_searches_like_a_loaded_one(index_t
     data, out = tmp_path / "images", tmp_path / "index"
     emb = SyntheticEmbedder(tmp_path / "model")
     touch_files(data, [f"c{i % 3}/{i:04d}.png" for i in range(500)])
-    build_index_dir(IndexConfig(str(data), str(emb.encoder.path), str(out), workers=0, progress=False,
-                                index_type=index_type, max_index_memory=budget), embedder=emb)
-    xq = np.stack([emb.vector(f"c{i % 3}/{i:04d}.png:{(data / f'c{i % 3}/{i:04d}.png').stat().st_mtime_ns}")
-                   for i in range(0, 500, 25)])
+    build_index_dir(
+        IndexConfig(
+            str(data),
+            str(emb.encoder.path),
+            str(out),
+            workers=0,
+            progress=False,
+            index_type=index_type,
+            max_index_memory=budget,
+        ),
+        embedder=emb,
+    )
+    xq = np.stack(
+        [
+            emb.vector(f"c{i % 3}/{i:04d}.png:{(data / f'c{i % 3}/{i:04d}.png').stat().st_mtime_ns}")
+            for i in range(0, 500, 25)
+        ]
+    )
     with IndexDirectory.open(out) as mapped, IndexDirectory.open(out, mmap=False) as loaded:
         name = str(mapped.generation_path / ("vectors.ivfdata" if budget else "vectors.faiss"))
         assert name in _mapped_files()  # served from the page cache, shareable between processes
@@ -145,6 +160,7 @@ def test_faiss_gpu__guards_route_to_the_cpu_where_a_gpu_cannot(tmp_path):
 
     def failing(index, all_gpus):
         raise RuntimeError("out of GPU memory")
+
     assert faiss_gpu.gpu_copy_for_search(flat, {}, "auto", gpus=1, cloner=failing) is None
 
 

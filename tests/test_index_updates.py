@@ -1,5 +1,6 @@
 """Updates that cost what changed: a generation is a shared base plus a small delta, and every generation stays
 exactly itself. Real FAISS, real LMDB, real files scanned; vectors come from a synthetic embedder (no model)."""
+
 from __future__ import annotations
 
 import os
@@ -33,17 +34,21 @@ def _check_consistent(out: Path) -> dict[str, int]:
     with IndexDirectory.open(out) as d:
         faiss_ids = d.index.ids()
         assert len(faiss_ids) == len(set(faiss_ids.tolist())) == d.index.ntotal == d.manifest.count
-        with MetadataStore(d.generation_path / "meta.lmdb",
-                           delta=(d.generation_path / "delta.lmdb") if (d.generation_path / "delta.lmdb").is_dir()
-                           else None) as store:
+        with MetadataStore(
+            d.generation_path / "meta.lmdb",
+            delta=(d.generation_path / "delta.lmdb") if (d.generation_path / "delta.lmdb").is_dir() else None,
+        ) as store:
             lmdb_ids = store.live_ids()
             by_path = dict(store.iter_ids_with_paths())
         np.testing.assert_array_equal(faiss_ids, lmdb_ids)
         assert sorted(by_path.values()) == lmdb_ids.tolist()
         for rec in d.records(lmdb_ids.tolist()):
             assert rec is not None and by_path[rec["path"]] == rec["id"]
-        assert d.manifest.labels == {f"c{j}": sum(p.startswith(f"c{j}/") for p in by_path) for j in range(7)
-                                     if any(p.startswith(f"c{j}/") for p in by_path)}
+        assert d.manifest.labels == {
+            f"c{j}": sum(p.startswith(f"c{j}/") for p in by_path)
+            for j in range(7)
+            if any(p.startswith(f"c{j}/") for p in by_path)
+        }
         return by_path
 
 
@@ -128,7 +133,8 @@ def test_update__reader_of_old_generation_sees_only_old_items(tmp_path):
     build_index_dir(_cfg(data, emb, out, index_type="flat", compact="now"), embedder=emb)
     assert set(old.index.ids().tolist()) == old_ids
     assert [r["path"] for r in old.records(sorted(old_ids)[:50])] == [
-        p for p, _ in sorted(old_live.items(), key=lambda kv: kv[1])][:50]
+        p for p, _ in sorted(old_live.items(), key=lambda kv: kv[1])
+    ][:50]
     old.close()
 
 

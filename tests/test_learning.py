@@ -15,6 +15,7 @@ on a given CPU, and the asserted margin of 6 points leaves room for another CPU'
 recipe picks the ImageNet stem, about 9x cheaper per image than the small one at 32 px, so these runs take
 more steps than the small-stem runs they replaced in less time.
 """
+
 from __future__ import annotations
 
 import json
@@ -51,8 +52,21 @@ def trained(tmp_path_factory) -> dict[str, dict]:
     runs = {}
     for name, (epochs, _, options) in RECIPES.items():
         log = open(root / f"{name}.log", "w")
-        cmd = [sys.executable, "-m", "moco_retrieval", "train", str(data), "--out", str(root / name), *COMMON, *options,
-               "--epochs", str(epochs), "--knn-every", str(epochs)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "moco_retrieval",
+            "train",
+            str(data),
+            "--out",
+            str(root / name),
+            *COMMON,
+            *options,
+            "--epochs",
+            str(epochs),
+            "--knn-every",
+            str(epochs),
+        ]
         runs[name] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO), log)
     results = {}
     for name, (proc, log) in runs.items():
@@ -61,9 +75,11 @@ def trained(tmp_path_factory) -> dict[str, dict]:
         metrics = root / name / "metrics.jsonl"
         rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
         results[name] = {
-            "returncode": returncode, "log": (root / f"{name}.log").read_text()[-3000:],
+            "returncode": returncode,
+            "log": (root / f"{name}.log").read_text()[-3000:],
             "knn": {r["epoch"]: r["knn_acc"] for r in rows if r["kind"] == "epoch" and r.get("knn_acc") is not None},
-            "steps": max((r["step"] for r in rows), default=0), "run_dir": root / name,
+            "steps": max((r["step"] for r in rows), default=0),
+            "run_dir": root / name,
         }
     return results
 

@@ -1,4 +1,5 @@
 """MoCo v2 building blocks against hand computations: InfoNCE, queue, momentum update, shuffle-BN, split-BN."""
+
 from __future__ import annotations
 
 import math
@@ -131,13 +132,16 @@ def test_config__round_trips_json_and_scales_lr():
     assert cfg.effective_lr == pytest.approx(0.06)
 
 
-@pytest.mark.parametrize("changes, message", [
-    ({"queue_size": 1000, "batch_size": 256}, "not a multiple"),
-    ({"arch": "vgg"}, "unknown --arch"),
-    ({"temperature": 0}, "must be positive"),
-    ({"momentum": 1.0}, r"\[0, 1\)"),
-    ({"device": "tpu"}, "unknown --device"),
-])
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"queue_size": 1000, "batch_size": 256}, "not a multiple"),
+        ({"arch": "vgg"}, "unknown --arch"),
+        ({"temperature": 0}, "must be positive"),
+        ({"momentum": 1.0}, r"\[0, 1\)"),
+        ({"device": "tpu"}, "unknown --device"),
+    ],
+)
 def test_config__rejects_bad_values(changes, message):
     with pytest.raises(ConfigError, match=message):
         TrainConfig(data_dir="d", out_dir="o", **changes)

@@ -1,5 +1,6 @@
 """MoCo v3 building blocks against hand computations: loss, momentum schedule, LARS, ViT stability recipe,
 paper defaults; and v3 ResNet-18 / ViT-Tiny learning on the generated shapes."""
+
 from __future__ import annotations
 
 import argparse
@@ -26,8 +27,19 @@ def build_optimizer(cfg: TrainConfig, model):
 
 
 def _v3(arch: str = "resnet18", **overrides) -> TrainConfig:
-    values = dict(data_dir="-", out_dir="-", moco_version=3, arch=arch, stem="imagenet", image_size=32, epochs=2,
-                  batch_size=8, dim=16, mlp_hidden=32, recipe="paper")
+    values = dict(
+        data_dir="-",
+        out_dir="-",
+        moco_version=3,
+        arch=arch,
+        stem="imagenet",
+        image_size=32,
+        epochs=2,
+        batch_size=8,
+        dim=16,
+        mlp_hidden=32,
+        recipe="paper",
+    )
     values.update(overrides)
     return resolved_config(TrainConfig(**values), num_images=64)
 
@@ -217,8 +229,9 @@ def test_moco_v3__optimizer_step_fits_instance_discrimination_on_a_fixed_batch(a
     recognisable as pairs (the loss starts near its chance value 2 * 2T * log(16) and falls by a quarter)."""
     torch.manual_seed(0)
     torch.set_num_threads(1)
-    cfg = _v3(arch, batch_size=16, lr=lr, lr_scale=False, temperature=0.2, patch_size=8 if arch != "resnet18" else 0,
-              epochs=1)
+    cfg = _v3(
+        arch, batch_size=16, lr=lr, lr_scale=False, temperature=0.2, patch_size=8 if arch != "resnet18" else 0, epochs=1
+    )
     model = build_model(cfg)
     opt = build_optimizer(cfg, model)
     for group in opt.param_groups:
@@ -239,8 +252,18 @@ def test_moco_v3__optimizer_step_fits_instance_discrimination_on_a_fixed_batch(a
 
 def test_train_v3_vit__resume_gives_same_parameters_as_straight_run(shapes_dir, tmp_path):
     torch.set_num_threads(1)
-    cfg = lambda out: tiny_train_config(shapes_dir, out, moco_version=3, arch="vit_tiny", patch_size=8,  # noqa: E731
-                                        epochs=2, dim=16, mlp_hidden=32, lr=1e-3, lr_scale=False)
+    cfg = lambda out: tiny_train_config(  # noqa: E731
+        shapes_dir,
+        out,
+        moco_version=3,
+        arch="vit_tiny",
+        patch_size=8,  # noqa: E731
+        epochs=2,
+        dim=16,
+        mlp_hidden=32,
+        lr=1e-3,
+        lr_scale=False,
+    )
     straight = train(cfg(tmp_path / "straight"))
     train(cfg(tmp_path / "resumed"), stop_at_epoch=1)
     resumed = train(cfg(tmp_path / "resumed"))  # continues from checkpoint_last.pt: AdamW state and momentum schedule

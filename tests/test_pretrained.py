@@ -3,6 +3,7 @@ v1/v2, moco-v3 ResNet and ViT, our own runs), built here from locally constructe
 give our backbone the same features as the module they came from, in PyTorch and through the ONNX export;
 every mismatch is one line; a crafted pickle is refused without running; train, export, index and eval read
 them."""
+
 from __future__ import annotations
 
 import json
@@ -124,8 +125,9 @@ def moco_v3_resnet_file(path: Path, seed: int = 0) -> tuple[nn.Module, nn.Module
 
 def _vit_tiny(img_size: int = 32, patch_size: int = 8, seed: int = 0) -> VisionTransformer:
     torch.manual_seed(seed)
-    vit = VisionTransformer(img_size=img_size, patch_size=patch_size, embed_dim=192, depth=12, num_heads=3,
-                            num_classes=0)
+    vit = VisionTransformer(
+        img_size=img_size, patch_size=patch_size, embed_dim=192, depth=12, num_heads=3, num_classes=0
+    )
     with torch.no_grad():
         vit.pos_embed.normal_(0, 0.02)
         vit.cls_token.normal_(0, 0.02)
@@ -172,10 +174,15 @@ def sources(tmp_path_factory) -> dict:
     return out
 
 
-EXPECTED = {"torchvision": ("state_dict", "resnet18"), "moco_v2": ("moco_v2", "resnet18"),
-            "moco_v1": ("moco_v2", "resnet18"), "moco_v3_resnet": ("moco_v3", "resnet18"),
-            "moco_v3_vit": ("moco_v3", "vit_tiny"), "timm_resnet": ("state_dict", "resnet18"),
-            "timm_vit": ("state_dict", "vit_tiny")}
+EXPECTED = {
+    "torchvision": ("state_dict", "resnet18"),
+    "moco_v2": ("moco_v2", "resnet18"),
+    "moco_v1": ("moco_v2", "resnet18"),
+    "moco_v3_resnet": ("moco_v3", "resnet18"),
+    "moco_v3_vit": ("moco_v3", "vit_tiny"),
+    "timm_resnet": ("state_dict", "resnet18"),
+    "timm_vit": ("state_dict", "vit_tiny"),
+}
 
 
 @pytest.mark.parametrize("name", list(EXPECTED))
@@ -235,7 +242,7 @@ def test_load_into_model__moco_v2_heads_load_and_key_encoder_starts_equal(source
     query = torch.load(path, weights_only=True)["state_dict"]
     net = _resnet18(0, num_classes=32)
     net.fc = nn.Sequential(nn.Linear(512, 512), nn.ReLU(), net.fc)
-    net.load_state_dict({k[len("module.encoder_q."):]: v for k, v in query.items() if ".encoder_q." in k})
+    net.load_state_dict({k[len("module.encoder_q.") :]: v for k, v in query.items() if ".encoder_q." in k})
     x = torch.randn(2, 3, 32, 32)
     with torch.no_grad():
         assert torch.allclose(model.encoder_q(x), net.eval()(x), atol=1e-5)
@@ -262,8 +269,9 @@ def test_load_into_model__moco_v3_vit_heads_load_and_the_position_embedding_is_i
     with torch.no_grad():
         assert torch.allclose(model.encoder_k.backbone(x), reference(x), atol=1e-5)
     _, model, report = _model_from(_train_cfg(tmp_path, path, moco_version=3, image_size=64), read_pretrained(path))
-    assert report["notes"] == ["position embedding interpolated from a 4x4 to a 8x8 grid (image size 32 -> 64 px at "
-                               "patch 8)"]
+    assert report["notes"] == [
+        "position embedding interpolated from a 4x4 to a 8x8 grid (image size 32 -> 64 px at patch 8)"
+    ]
 
 
 def test_load_into_model__v1_head_and_mismatched_heads_stay_fresh(sources, tmp_path):
@@ -327,8 +335,9 @@ def test_errors__vit_patch_size_refused_image_size_interpolated(sources, tmp_pat
         backbone_from_source(path, image_size=36)
     caplog.set_level("INFO", logger="moco_retrieval.trainer.pretrained")
     built = backbone_from_source(path, image_size=64)
-    assert built.notes == ["position embedding interpolated from a 4x4 to a 8x8 grid (image size 32 -> 64 px at "
-                           "patch 8)"]
+    assert built.notes == [
+        "position embedding interpolated from a 4x4 to a 8x8 grid (image size 32 -> 64 px at patch 8)"
+    ]
     assert "interpolated" in caplog.text
     with torch.no_grad():
         assert built.backbone(torch.randn(1, 3, 64, 64)).shape == (1, 192)
@@ -371,10 +380,16 @@ def test_errors__crafted_pickle_is_refused_and_its_code_never_runs(tmp_path):
 # -- the recipe with --init -----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("moco_version", [2, 3])
 def test_recipe__init_lowers_lr_shortens_warmup_raises_momentum(moco_version, tmp_path):
-    scratch = resolve_for_images(tiny_train_config(tmp_path, tmp_path, moco_version=moco_version, batch_size=32,
-                                                   queue_size=None, epochs=20), 1600)
-    init = resolve_for_images(tiny_train_config(tmp_path, tmp_path, moco_version=moco_version, batch_size=32,
-                                                queue_size=None, epochs=20, init="weights.pth"), 1600)
+    scratch = resolve_for_images(
+        tiny_train_config(tmp_path, tmp_path, moco_version=moco_version, batch_size=32, queue_size=None, epochs=20),
+        1600,
+    )
+    init = resolve_for_images(
+        tiny_train_config(
+            tmp_path, tmp_path, moco_version=moco_version, batch_size=32, queue_size=None, epochs=20, init="weights.pth"
+        ),
+        1600,
+    )
     assert init.lr == pytest.approx(0.1 * scratch.lr, rel=1e-3)
     assert init.warmup_epochs <= scratch.warmup_epochs and (moco_version == 2 or init.warmup_epochs < 1)
     assert init.momentum > scratch.momentum
@@ -411,14 +426,16 @@ def test_train__starts_from_init_records_it_and_resumes_the_identical_command(so
 def test_export_index_search__from_a_torchvision_state_dict(sources, shapes_dir, tmp_path, capsys):
     path, reference = sources["torchvision"]
     onnx_path = tmp_path / "encoder.onnx"
-    assert main(["export", "--init", str(path), "--arch", "resnet18", "--image-size", "32", "--out",
-                 str(onnx_path)]) == 0
+    assert (
+        main(["export", "--init", str(path), "--arch", "resnet18", "--image-size", "32", "--out", str(onnx_path)]) == 0
+    )
     meta = read_encoder_metadata(onnx_path)
     assert meta["init_source"] == path.name and meta["init_sha256"] == sha256_file(path)
     assert (meta["arch"], meta["moco_version"], meta["image_size"]) == ("resnet18", 0, 32)
     images = np.random.default_rng(0).integers(0, 256, (5, 32, 32, 3), dtype=np.uint8)
     (out,) = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"]).run(
-        ["embeddings"], {"images": images})
+        ["embeddings"], {"images": images}
+    )
     with torch.no_grad():
         assert compare(out, reference_embeddings(reference, images), FP32_TOLERANCE).passed
     index = tmp_path / "index"
@@ -445,7 +462,8 @@ def test_export__moco_v3_vit_layout_matches_within_the_export_tolerance(sources,
     assert result.metadata["init_layout"] == "moco_v3" and result.metadata["moco_version"] == "3"
     images = np.random.default_rng(1).integers(0, 256, (3, 32, 32, 3), dtype=np.uint8)
     (out,) = ort.InferenceSession(str(tmp_path / "vit.onnx"), providers=["CPUExecutionProvider"]).run(
-        ["embeddings"], {"images": images})
+        ["embeddings"], {"images": images}
+    )
     with torch.no_grad():
         assert compare(out, reference_embeddings(reference, images), FP32_TOLERANCE).passed
 
@@ -458,8 +476,26 @@ def test_export_cli__needs_one_source(tmp_path, capsys):
 def test_eval_knn__accepts_the_same_source(sources, shapes_dir, tmp_path, capsys):
     path, _ = sources["moco_v2"]
     out = tmp_path / "knn.json"
-    assert main(["eval", "knn", "--train", str(shapes_dir), "--test", str(shapes_dir), str(path), "--image-size",
-                 "32", "--k", "5", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                "knn",
+                "--train",
+                str(shapes_dir),
+                "--test",
+                str(shapes_dir),
+                str(path),
+                "--image-size",
+                "32",
+                "--k",
+                "5",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     doc = json.loads(out.read_text())
     assert doc["model"]["model_kind"] == "weights" and doc["model"]["layout"] == "moco_v2"
     assert doc["model"]["sha256"] == sha256_file(path) and 0.0 <= doc["results"][0]["top1"] <= 1.0
@@ -469,5 +505,7 @@ def test_model_label__names_the_moco_version_or_the_weights_file():
     from moco_retrieval.contracts.encoder_format import model_label
 
     assert model_label({"moco_version": 2, "arch": "resnet50"}) == "MoCo v2 resnet50"
-    assert model_label({"moco_version": "0", "arch": "resnet18", "init_source": "r18.pth"}) == \
-        "resnet18 (weights from r18.pth)"
+    assert (
+        model_label({"moco_version": "0", "arch": "resnet18", "init_source": "r18.pth"})
+        == "resnet18 (weights from r18.pth)"
+    )

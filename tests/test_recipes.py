@@ -1,5 +1,6 @@
 """Recipes (trainer.recipes): what --recipe auto and --recipe paper choose for options left unset, and that every
 choice is recorded with its reason."""
+
 from __future__ import annotations
 
 import pytest
@@ -64,7 +65,13 @@ def test_paper__takes_the_published_values():
 def test_user_values__are_never_overridden():
     cfg = _resolve(1600, batch_size=64, lr=0.1, temperature=0.5, queue_size=128, momentum=0.9, stem="small")
     assert (cfg.batch_size, cfg.lr, cfg.temperature, cfg.queue_size, cfg.momentum, cfg.stem) == (
-        64, 0.1, 0.5, 128, 0.9, "small")
+        64,
+        0.1,
+        0.5,
+        128,
+        0.9,
+        "small",
+    )
     assert not {"batch_size", "lr", "temperature", "queue_size", "momentum", "stem"} & set(cfg.derived)
 
 
@@ -75,9 +82,15 @@ def test_recipe_table__help_and_reasons_state_the_tables_own_figures():
     from moco_retrieval.trainer.variants import MoCoV3ViTVariant
 
     text = " ".join(t.describe().split())
-    for figure in (f"{t.AUTO_BATCH_CPU_V2} (at most half", f"{t.AUTO_LR_CPU_V2:g} x batch/256",
-                   f"{t.AUTO_BATCH_CPU}", f"1/{t.AUTO_IMAGES_PER_BATCH} of the images", t.PAPER_BATCHES,
-                   f"{t.lr_multiple('v2'):g}x the paper's for v2", f"{t.lr_multiple('v3_vit'):g}x the paper's for v3 ViTs"):
+    for figure in (
+        f"{t.AUTO_BATCH_CPU_V2} (at most half",
+        f"{t.AUTO_LR_CPU_V2:g} x batch/256",
+        f"{t.AUTO_BATCH_CPU}",
+        f"1/{t.AUTO_IMAGES_PER_BATCH} of the images",
+        t.PAPER_BATCHES,
+        f"{t.lr_multiple('v2'):g}x the paper's for v2",
+        f"{t.lr_multiple('v3_vit'):g}x the paper's for v3 ViTs",
+    ):
         assert figure in text, figure
     assert [round(t.lr_multiple(k), 6) for k in ("v2", "v3_resnet", "v3_vit")] == [16, 8, 20]
     cfg = TrainConfig(data_dir="d", out_dir="o", moco_version=3, arch="vit_tiny", image_size=32, batch_size=64)

@@ -1,5 +1,6 @@
 """Threshold search (min_score) and batches, on real generations with a delta and removed items (Flat, HNSW, IVF,
 IVF-PQ), checked against exact brute force; and the HTTP API's batch and min_score routes and errors."""
+
 from __future__ import annotations
 
 import hashlib
@@ -31,15 +32,21 @@ def _tiny_embedder(folder: Path) -> SyntheticEmbedder:
     """A SyntheticEmbedder whose "encoder" is a real tiny ONNX model, so a SearchEngine can open the index."""
     emb = SyntheticEmbedder(folder, d=D)
     path = write_tiny_encoder(folder / "tiny.onnx", d=D)
-    emb.encoder = SimpleNamespace(path=path, sha256=hashlib.sha256(path.read_bytes()).hexdigest(), embedding_dim=D,
-                                  provider="synthetic", metadata=read_encoder_metadata(path))
+    emb.encoder = SimpleNamespace(
+        path=path,
+        sha256=hashlib.sha256(path.read_bytes()).hexdigest(),
+        embedding_dim=D,
+        provider="synthetic",
+        metadata=read_encoder_metadata(path),
+    )
     return emb
 
 
 def _cfg(data: Path, emb, out: Path, index_type: str) -> IndexConfig:
     kw = {"index_type": "ivfpq", "max_index_memory": 1000} if index_type == "ivfpq-disk" else {"index_type": index_type}
-    return IndexConfig(str(data), str(emb.encoder.path), str(out), workers=0, batch_size=8, progress=False,
-                       shard_size=64, **kw)
+    return IndexConfig(
+        str(data), str(emb.encoder.path), str(out), workers=0, batch_size=8, progress=False, shard_size=64, **kw
+    )
 
 
 @pytest.fixture(scope="module", params=["flat", "hnsw", "ivf", "ivfpq"])
@@ -52,7 +59,7 @@ def layered(request, tmp_path_factory):
     emb = _tiny_embedder(tmp / "model")
     _touch_at_fixed_times(data, _names(0, BASE))
     build_index_dir(_cfg(data, emb, out, request.param), embedder=emb)
-    for name in _names(0, BASE)[::BASE // REMOVED][:REMOVED]:
+    for name in _names(0, BASE)[:: BASE // REMOVED][:REMOVED]:
         (data / name).unlink()
     _touch_at_fixed_times(data, _names(BASE, BASE + ADDED))
     result = build_index_dir(_cfg(data, emb, out, request.param), embedder=emb)
@@ -110,6 +117,7 @@ def test_min_score__returns_exactly_the_items_above_the_score(layered):
     if recall[1]:  # over all queries (one query's few lists may miss more; the target is the index's average)
         assert recall[0] >= 0.9 * recall[1], (layered.kind, recall)
 
+
 def test_min_score__caps_at_k_and_refuses_values_outside_minus_one_to_one(layered):
     q = layered.xb[0]
     (res,) = layered.engine.search_vectors(q[None], k=7, min_score=-1.0)
@@ -142,8 +150,12 @@ def client(live_server):
 
 
 def test_http_search__several_images_answer_in_request_order_as_the_single_requests(client, serve_corpus):
-    queries = [serve_corpus / "red" / "red_001.png", serve_corpus / "blue" / "blue_004.png",
-               serve_corpus / "red" / "red_001.png", serve_corpus / "yellow" / "yellow_009.png"]
+    queries = [
+        serve_corpus / "red" / "red_001.png",
+        serve_corpus / "blue" / "blue_004.png",
+        serve_corpus / "red" / "red_001.png",
+        serve_corpus / "yellow" / "yellow_009.png",
+    ]
     files = [("image", (q.name, q.read_bytes(), "image/png")) for q in queries]
     r = client.post("/api/search", params={"k": 4}, files=files)
     assert r.status_code == 200, r.text
@@ -178,8 +190,7 @@ def test_http_batches__empty_or_over_the_limit_are_refused_naming_the_limit(clie
     assert r.status_code == 413 and f"the limit is {limit}" in r.json()["error"]
 
 
-def test_http_min_score__every_route_filters_by_score_and_refuses_out_of_range(client, serve_corpus,
-                                                                                served_engine):
+def test_http_min_score__every_route_filters_by_score_and_refuses_out_of_range(client, serve_corpus, served_engine):
     query = serve_corpus / "green" / "green_004.png"
     upload = {"image": (query.name, query.read_bytes(), "image/png")}
     everything = client.post("/api/search", params={"k": 48}, files=upload).json()["results"]
@@ -205,8 +216,9 @@ def test_http_min_score__every_route_filters_by_score_and_refuses_out_of_range(c
 
 
 # -- the command line ----------------------------------------------------------------------------------------
-def test_search_cli__a_folder_writes_one_csv_row_per_image_equal_to_single_searches(served_index, serve_corpus,
-                                                                                    served_engine, tmp_path, capsys):
+def test_search_cli__a_folder_writes_one_csv_row_per_image_equal_to_single_searches(
+    served_index, serve_corpus, served_engine, tmp_path, capsys
+):
     import csv
     import shutil
 
@@ -229,12 +241,14 @@ def test_search_cli__a_folder_writes_one_csv_row_per_image_equal_to_single_searc
         (single,) = served_engine.search([row["query"]], 3)
         assert row["ids"] == ";".join(str(h["id"]) for h in single.hits)
         assert row["paths"].split(";")[0] == f"blue/{Path(row['query']).name}"
-        assert [float(s) for s in row["scores"].split(";")] == pytest.approx([h["score"] for h in single.hits],
-                                                                            abs=1e-5)
+        assert [float(s) for s in row["scores"].split(";")] == pytest.approx(
+            [h["score"] for h in single.hits], abs=1e-5
+        )
 
 
-def test_classify_cli__several_images_print_jsonl_with_the_label_and_its_share(served_index, serve_corpus,
-                                                                               served_engine, capsys):
+def test_classify_cli__several_images_print_jsonl_with_the_label_and_its_share(
+    served_index, serve_corpus, served_engine, capsys
+):
     import json
 
     from moco_retrieval.app.cli import main
@@ -249,8 +263,9 @@ def test_classify_cli__several_images_print_jsonl_with_the_label_and_its_share(s
         assert row["share"] == pytest.approx(single.probabilities[single.label], abs=1e-5)
 
 
-def test_search_cli__min_score_and_a_bad_output_name_are_one_line(served_index, serve_corpus, served_engine,
-                                                                  tmp_path, capsys):
+def test_search_cli__min_score_and_a_bad_output_name_are_one_line(
+    served_index, serve_corpus, served_engine, tmp_path, capsys
+):
     import json
 
     from moco_retrieval.app.cli import main
@@ -323,8 +338,9 @@ def test_filters__neighbors_of_an_item_size_range_and_unknown_labels(layered):
     assert all(h["label"] == "c1" and h["score"] >= 0 for h in res.hits)
 
 
-def test_filters__an_index_without_the_label_database_opens_and_refuses_label_filters_in_one_line(tmp_path,
-                                                                                                 monkeypatch):
+def test_filters__an_index_without_the_label_database_opens_and_refuses_label_filters_in_one_line(
+    tmp_path, monkeypatch
+):
     from moco_retrieval.contracts.errors import ArtifactError
     from moco_retrieval.indexer import metadata
     from moco_retrieval.serve.engine import EngineConfig, SearchEngine, SearchFilter
@@ -373,7 +389,7 @@ def _photo(rng, size: int = 64):
     for _ in range(6):
         w, h = rng.integers(8, 40, 2)
         x, y = rng.integers(0, size - w), rng.integers(0, size - h)
-        img[y:y + h, x:x + w] = rng.uniform(0, 255, 3)
+        img[y : y + h, x : x + w] = rng.uniform(0, 255, 3)
     img += rng.normal(0, 10, img.shape)
     return Image.fromarray(np.clip(img, 0, 255).astype(np.uint8))
 

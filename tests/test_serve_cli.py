@@ -1,4 +1,5 @@
 """``moco search``, ``moco classify`` and ``moco serve`` from the command line."""
+
 from __future__ import annotations
 
 import json
@@ -49,9 +50,26 @@ def test_search_cli__bad_image_or_k_is_a_one_line_error(served_index, tmp_path, 
 def test_serve_cli__serves_until_interrupted_and_refuses_a_busy_port(served_index, serve_corpus):
     port = free_port()
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen([sys.executable, "-m", "moco_retrieval", "serve", str(served_index), "--port", str(port),
-                             "--device", "cpu", "--threads", "1"], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "moco_retrieval",
+            "serve",
+            str(served_index),
+            "--port",
+            str(port),
+            "--device",
+            "cpu",
+            "--threads",
+            "1",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         line = proc.stdout.readline()  # printed once uvicorn listens
         assert f"http://127.0.0.1:{port}/" in line, (line, proc.stderr.read() if proc.poll() is not None else "")
@@ -61,8 +79,13 @@ def test_serve_cli__serves_until_interrupted_and_refuses_a_busy_port(served_inde
         r = httpx.post(url + "/api/search", files={"image": ("q.png", query.read_bytes())}, timeout=30)
         assert r.json()["results"][0]["path"] == "blue/blue_003.png"
         assert httpx.get(url + "/", timeout=10).status_code == 200  # the Gradio page
-        busy = subprocess.run([sys.executable, "-m", "moco_retrieval", "serve", str(served_index), "--port", str(port)],
-                              cwd=ROOT, capture_output=True, text=True, timeout=60)
+        busy = subprocess.run(
+            [sys.executable, "-m", "moco_retrieval", "serve", str(served_index), "--port", str(port)],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert busy.returncode == 2 and "already in use" in busy.stderr
     finally:
         proc.send_signal(signal.SIGINT)
@@ -113,11 +136,11 @@ sys.exit(code)
 """
 
 
-def test_cli__without_the_train_extra_search_works_and_train_says_what_to_install(served_index, serve_corpus,
-                                                                                 tmp_path):
+def test_cli__without_the_train_extra_search_works_and_train_says_what_to_install(served_index, serve_corpus, tmp_path):
     query = str(next(serve_corpus.rglob("*.png")))
-    run = lambda *a: subprocess.run([sys.executable, "-c", _WITHOUT_TORCH, *a], capture_output=True, text=True,
-                                    timeout=120)
+    run = lambda *a: subprocess.run(  # noqa: E731
+        [sys.executable, "-c", _WITHOUT_TORCH, *a], capture_output=True, text=True, timeout=120
+    )
     found = run("search", str(served_index), query, "-k", "3", "--json", "--device", "cpu")
     assert found.returncode == 0, found.stderr
     assert len(json.loads(found.stdout)["results"]) == 3
@@ -125,22 +148,31 @@ def test_cli__without_the_train_extra_search_works_and_train_says_what_to_instal
         refused = run(*command)
         assert refused.returncode == 2 and refused.stderr.strip() == (
             f"moco: error: `moco {command[0]}` needs torch, which this install lacks: "
-            "pip install 'moco-retrieval[train]'")
+            "pip install 'moco-retrieval[train]'"
+        )
 
 
 def test_cli__a_reader_that_leaves_early_gets_no_traceback(served_index, serve_corpus):
     query = str(next(serve_corpus.rglob("*.png")))
-    gone = ("import os, sys\nr, w = os.pipe()\nos.close(r)\nos.dup2(w, 1)  # stdout: a pipe nobody reads (`| head`)\n"
-            "from moco_retrieval.app.cli import main\nsys.exit(main(sys.argv[1:]))")
-    proc = subprocess.run([sys.executable, "-c", gone, "search", str(served_index), query, "--device", "cpu", "-q"],
-                          capture_output=True, text=True, timeout=120)
+    gone = (
+        "import os, sys\nr, w = os.pipe()\nos.close(r)\nos.dup2(w, 1)  # stdout: a pipe nobody reads (`| head`)\n"
+        "from moco_retrieval.app.cli import main\nsys.exit(main(sys.argv[1:]))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", gone, "search", str(served_index), query, "--device", "cpu", "-q"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 141 and proc.stderr == ""
 
 
 def test_cli__without_faiss_and_onnxruntime_says_to_choose_cpu_or_gpu(served_index, serve_corpus):
     absent = _WITHOUT_TORCH.replace('("torch", "torchvision", "timm", "matplotlib")', '("faiss", "onnxruntime")')
     query = str(next(serve_corpus.rglob("*.png")))
-    proc = subprocess.run([sys.executable, "-c", absent, "search", str(served_index), query], capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", absent, "search", str(served_index), query], capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 2 and proc.stderr.strip().endswith(
-        "which this install lacks: pip install 'moco-retrieval[cpu]' (or '[gpu]' on a machine with a GPU)")
+        "which this install lacks: pip install 'moco-retrieval[cpu]' (or '[gpu]' on a machine with a GPU)"
+    )

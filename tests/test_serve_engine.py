@@ -1,4 +1,5 @@
 """The search engine on a real index directory (real ONNX encoder, FAISS index and LMDB store)."""
+
 from __future__ import annotations
 
 import math
@@ -80,7 +81,7 @@ def test_search_by_id__equals_searching_with_its_image_minus_itself(served_engin
     assert item["id"] not in [h["id"] for h in res.hits]
     assert [h["id"] for h in res.hits] == [h["id"] for h in by_image.hits[1:]]
     with pytest.raises(UnknownItemError):
-        served_engine.search_by_id(10 ** 6, k=5)
+        served_engine.search_by_id(10**6, k=5)
     with pytest.raises(UnknownItemError):
         served_engine.item(-1)
 
@@ -224,8 +225,9 @@ def test_engine__answers_a_clear_error_after_close(served_index, serve_corpus):
         engine.search([_images(serve_corpus)[0]], k=1)
 
 
-def test_search_async__same_answer_as_search_and_a_cancelled_request_releases_its_generation(served_engine,
-                                                                                              serve_corpus):
+def test_search_async__same_answer_as_search_and_a_cancelled_request_releases_its_generation(
+    served_engine, serve_corpus
+):
     import asyncio
 
     data = _images(serve_corpus)[7].read_bytes()

@@ -1,4 +1,5 @@
 """The HTTP API on a real uvicorn server (loopback, free port) over a real index directory."""
+
 from __future__ import annotations
 
 import io
@@ -26,9 +27,9 @@ def _png_claiming(width: int, height: int) -> bytes:
     Image.new("RGB", (8, 8)).save(buf, format="PNG")
     data = bytearray(buf.getvalue())
     ihdr = 8  # signature, then the IHDR chunk: length(4) type(4) data(13) crc(4)
-    data[ihdr + 8:ihdr + 16] = struct.pack(">II", width, height)
-    crc = zlib.crc32(bytes(data[ihdr + 4:ihdr + 8 + 13]))
-    data[ihdr + 21:ihdr + 25] = struct.pack(">I", crc)
+    data[ihdr + 8 : ihdr + 16] = struct.pack(">II", width, height)
+    crc = zlib.crc32(bytes(data[ihdr + 4 : ihdr + 8 + 13]))
+    data[ihdr + 21 : ihdr + 25] = struct.pack(">I", crc)
     return bytes(data)
 
 
@@ -54,8 +55,9 @@ def test_search__returns_neighbours_with_metadata_and_image_urls(client, serve_c
 
 
 def test_classify__votes_the_label(client, serve_corpus):
-    r = client.post("/api/classify", params={"k": 10, "temperature": 0.1},
-                    files=_upload(serve_corpus / "yellow" / "yellow_002.png"))
+    r = client.post(
+        "/api/classify", params={"k": 10, "temperature": 0.1}, files=_upload(serve_corpus / "yellow" / "yellow_002.png")
+    )
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["label"] == "yellow" and len(body["neighbors"]) == 10
@@ -73,8 +75,14 @@ def test_items__record_neighbours_health_stats_and_docs(client, served_engine):
     assert stats["items"] == 48 and stats["labels"] == {"blue": 12, "green": 12, "red": 12, "yellow": 12}
     assert stats["model"]["arch"] == "resnet18" and stats["index"]["recall_at_10"] == 1.0
     paths = client.get("/openapi.json").json()["paths"]
-    assert {"/api/search", "/api/classify", "/api/items/{item_id}", "/api/items/{item_id}/image",
-            "/api/health", "/api/stats"} <= set(paths)
+    assert {
+        "/api/search",
+        "/api/classify",
+        "/api/items/{item_id}",
+        "/api/items/{item_id}/image",
+        "/api/health",
+        "/api/stats",
+    } <= set(paths)
     import re
 
     import moco_retrieval
@@ -88,8 +96,21 @@ def test_items__record_neighbours_health_stats_and_docs(client, served_engine):
         assert all(client.get(url).status_code == 200 for url in assets), (page, assets)
 
 
-@pytest.mark.parametrize("case", ["not_an_image", "truncated", "enormous", "empty", "missing_field",
-                                  "k_zero", "k_huge", "k_text", "temperature_zero", "too_large_upload"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "not_an_image",
+        "truncated",
+        "enormous",
+        "empty",
+        "missing_field",
+        "k_zero",
+        "k_huge",
+        "k_text",
+        "temperature_zero",
+        "too_large_upload",
+    ],
+)
 def test_bad_input__answers_4xx_json_and_the_server_stays_up(client, serve_corpus, case):
     good = (serve_corpus / "red" / "red_001.png").read_bytes()
     post = {
@@ -114,11 +135,19 @@ def test_bad_input__answers_4xx_json_and_the_server_stays_up(client, serve_corpu
     assert client.get("/api/health").status_code == 200
 
 
-@pytest.mark.parametrize("path,status", [("/api/items/999999", 404), ("/api/items/-5", 404),
-                                         ("/api/items/99999999999999999999999", 404),
-                                         ("/api/items/abc", 422), ("/api/items/999999/image", 404),
-                                         ("/api/items/999999/neighbors", 404), ("/api/items/1/neighbors?k=0", 400),
-                                         ("/api/nothing-here", 404)])
+@pytest.mark.parametrize(
+    "path,status",
+    [
+        ("/api/items/999999", 404),
+        ("/api/items/-5", 404),
+        ("/api/items/99999999999999999999999", 404),
+        ("/api/items/abc", 422),
+        ("/api/items/999999/image", 404),
+        ("/api/items/999999/neighbors", 404),
+        ("/api/items/1/neighbors?k=0", 400),
+        ("/api/nothing-here", 404),
+    ],
+)
 def test_unknown_ids__answer_json_errors(client, path, status):
     r = client.get(path)
     assert r.status_code == status
@@ -177,8 +206,9 @@ def test_search_and_classify__the_cli_json_has_the_http_answers_schema(client, s
     assert set(on_cli) - set(over_http) == {"image_root"} and not set(over_http) - set(on_cli) - {"query"}
     for cli_hit, http_hit in zip(on_cli["results"], over_http["results"], strict=True):
         assert set(cli_hit) == set(http_hit) and cli_hit["id"] == http_hit["id"]
-        assert cli_hit["image_url"] == http_hit["image_url"] and cli_hit["score"] == pytest.approx(http_hit["score"],
-                                                                                                  abs=1e-5)
+        assert cli_hit["image_url"] == http_hit["image_url"] and cli_hit["score"] == pytest.approx(
+            http_hit["score"], abs=1e-5
+        )
     voted = client.post("/api/classify", files=_upload(query)).json()
     assert main(["classify", str(served_index), str(query), "--json", "--device", "cpu"]) == 0
     on_cli = json.loads(capsys.readouterr().out)

@@ -1,4 +1,5 @@
 """``GET /metrics``: Prometheus text of one server process, and of all workers under ``--workers 2``."""
+
 from __future__ import annotations
 
 import httpx

@@ -1,4 +1,5 @@
 """The Gradio app mounted at / of the real server: called by ``gradio_client`` and driven by a real browser."""
+
 from __future__ import annotations
 
 import os
@@ -13,8 +14,15 @@ pytest_plugins = ("tests._serve_fixtures",)  # the shared serving fixtures (inde
 # gradio's queue trips pandas deprecation warnings of its own; nothing this project can act on
 pytestmark = pytest.mark.filterwarnings("ignore::Warning:gradio.queueing")
 
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-                 "--disable-sync", "--no-first-run", "--disable-quic"]
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+    "--disable-quic",
+]
 
 
 def find_chromium() -> str | None:
@@ -56,8 +64,9 @@ def _browser(p, chromium: str, live_server, width: int, height: int):
     browser = p.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS)
     page = browser.new_page(viewport={"width": width, "height": height})
     # the closed network never answers (fonts, CDNs): refuse anything but our server at once
-    page.route("**/*", lambda route: route.continue_() if route.request.url.startswith(live_server.url)
-               else route.abort())
+    page.route(
+        "**/*", lambda route: route.continue_() if route.request.url.startswith(live_server.url) else route.abort()
+    )
     return browser, page
 
 
@@ -114,8 +123,7 @@ def test_browser__upload_fills_the_gallery_and_a_click_searches_from_a_result(li
             page.locator("#query-image input[type=file]").set_input_files(str(serve_corpus / "blue" / "blue_003.png"))
             expect(page.locator("#about")).to_contain_text("Searched from the uploaded image", timeout=30_000)
             expect(page.locator("#about")).not_to_contain_text("Searched from item")
-            expect(page.locator("#results .caption-label").first).to_contain_text("blue/blue_003.png",
-                                                                                  timeout=30_000)
+            expect(page.locator("#results .caption-label").first).to_contain_text("blue/blue_003.png", timeout=30_000)
             expect(page.locator("#results .thumbnail-item.selected")).to_have_count(0)
             expect(page.locator("#item-id input")).to_have_value("")
             expect(page.locator("#prediction")).to_contain_text("blue", timeout=30_000)

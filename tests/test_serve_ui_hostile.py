@@ -1,6 +1,7 @@
 """Hostile requests to the Gradio UI of the real server (issue 18): a client may hand it uploads only, never a
 path on the server; the development routes are gone; uploads do not pile up. Each attack is the raw HTTP
 request an attacker would send, against one process and against ``moco serve --workers 2``."""
+
 from __future__ import annotations
 
 import json
@@ -125,9 +126,24 @@ def test_gradio__unknown_paths_answer_404_in_the_projects_error_format(live_serv
 def test_serve__an_unwritable_upload_folder_is_one_line(served_index, tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
-    proc = subprocess.run([sys.executable, "-m", "moco_retrieval", "serve", str(served_index), "--port",
-                           str(free_port()), "--device", "cpu"], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                          env=dict(os.environ, GRADIO_TEMP_DIR=str(blocker / "gradio")))
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "moco_retrieval",
+            "serve",
+            str(served_index),
+            "--port",
+            str(free_port()),
+            "--device",
+            "cpu",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, GRADIO_TEMP_DIR=str(blocker / "gradio")),
+    )
     assert proc.returncode == 5, proc.stderr[-2000:]
     (line,) = [x for x in proc.stderr.splitlines() if x.startswith("moco: error:")]
     assert "GRADIO_TEMP_DIR" in line and "Traceback" not in proc.stderr

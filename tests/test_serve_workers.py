@@ -1,5 +1,6 @@
 """``moco serve --workers 2``: two real uvicorn worker processes on one port, each with its own engine over
 one memory-mapped index directory, both answering and both switching to a newly published generation."""
+
 from __future__ import annotations
 
 import os
@@ -49,10 +50,29 @@ def _parent(pid: str) -> int:
 def test_serve_workers__two_processes_answer_and_both_hot_swap(private_index, encoder_onnx, tmp_path):
     corpus, index = private_index
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "moco_retrieval", "serve", str(index), "--port", str(port),
-                             "--workers", "2", "--no-ui", "--device", "cpu", "--poll-seconds", "0.2"], cwd=ROOT,
-                            env=dict(os.environ, PYTHONUNBUFFERED="1"), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "moco_retrieval",
+            "serve",
+            str(index),
+            "--port",
+            str(port),
+            "--workers",
+            "2",
+            "--no-ui",
+            "--device",
+            "cpu",
+            "--poll-seconds",
+            "0.2",
+        ],
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         line = proc.stdout.readline()
         assert f"127.0.0.1:{port}/ with 2 workers" in line, (line, proc.stderr.read() if proc.poll() else "")
@@ -89,7 +109,22 @@ def _interrupt(proc: subprocess.Popen) -> None:
 
 
 def test_serve_workers__a_bad_index_fails_once_in_one_line(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "moco_retrieval", "serve", str(tmp_path / "nope"), "--workers", "2",
-                           "--port", str(free_port())], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "moco_retrieval",
+            "serve",
+            str(tmp_path / "nope"),
+            "--workers",
+            "2",
+            "--port",
+            str(free_port()),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 4
     assert proc.stderr.strip().startswith("moco: error: index directory not found") and "\n" not in proc.stderr.strip()

@@ -5,6 +5,7 @@ bug that starts at 10,000 or 1M rows would otherwise land unseen).
 
 One test per threshold; each docstring's first line names the threshold and what would break. Vectors come
 from a synthetic embedder (no model) except where an image is served or read."""
+
 from __future__ import annotations
 
 import hashlib
@@ -32,6 +33,7 @@ _DBS = ("items", "paths", "sha256", "tombstones", "skipped", "info")
 
 # --- helpers -------------------------------------------------------------------------------------------------
 
+
 class DupEmbedder(SyntheticEmbedder):
     """A SyntheticEmbedder whose files in ``groups`` (path -> content tag) share content: the same sha256 and
     the same vector per tag, as exact duplicate files would have."""
@@ -44,13 +46,29 @@ class DupEmbedder(SyntheticEmbedder):
         pending = [e for e in entries if shards.lookup(e.path, e.bytes, e.mtime_ns) is None]
         for e in pending:
             content = self.groups.get(e.path, f"{e.path}:{e.mtime_ns}")
-            shards.add({"path": e.path, "stat_bytes": e.bytes, "mtime_ns": e.mtime_ns,
-                        "sha256": hashlib.sha256(content.encode()).hexdigest(), "width": 32, "height": 32,
-                        "bytes": e.bytes, "error": None}, self.vector(content))
+            shards.add(
+                {
+                    "path": e.path,
+                    "stat_bytes": e.bytes,
+                    "mtime_ns": e.mtime_ns,
+                    "sha256": hashlib.sha256(content.encode()).hexdigest(),
+                    "width": 32,
+                    "height": 32,
+                    "bytes": e.bytes,
+                    "error": None,
+                },
+                self.vector(content),
+            )
         shards.flush()
         self.calls.append(len(pending))
-        return {"embedded": len(pending), "resumed": len(entries) - len(pending), "embed": 0.0, "decode_wait": 0.0,
-                "encoder": 0.0, "decode_cpu": 0.0}
+        return {
+            "embedded": len(pending),
+            "resumed": len(entries) - len(pending),
+            "embed": 0.0,
+            "decode_wait": 0.0,
+            "encoder": 0.0,
+            "decode_cpu": 0.0,
+        }
 
 
 def _cfg(data: Path, emb: SyntheticEmbedder, out: Path, **kw) -> IndexConfig:
@@ -104,12 +122,18 @@ def _snapshot(out: Path, xq: np.ndarray | None = None, k: int = 10) -> dict:
         order = np.lexsort((I_, -D_), axis=1)  # equal scores (duplicates' vectors) in id order: ties may come
         D_, I_ = np.take_along_axis(D_, order, 1), np.take_along_axis(I_, order, 1)  # either way
         snap = {
-            "ids": ids, "records": d.records(ids.tolist()), "store": _dump_store(d._store),
-            "count": m.count, "next_id": m.next_id, "duplicates": m.duplicates, "labels": m.labels,
+            "ids": ids,
+            "records": d.records(ids.tolist()),
+            "store": _dump_store(d._store),
+            "count": m.count,
+            "next_id": m.next_id,
+            "duplicates": m.duplicates,
+            "labels": m.labels,
             "block_ids": np.concatenate(got_ids) if got_ids else np.zeros(0, np.int64),
             "block_vectors": np.concatenate(got_vec) if got_vec else np.zeros((0, xq.shape[1]), np.float32),
             "reconstructed": np.stack([d.index.reconstruct(int(i)) for i in ids]),
-            "search_ids": I_, "search_scores": D_,
+            "search_ids": I_,
+            "search_scores": D_,
         }
     np.testing.assert_array_equal(snap["block_ids"], ids)  # every live id has its stored vector, once
     if m.block_dtype == "float32":  # Flat / HNSW / IVF-Flat: the index gives back exactly the stored vectors
@@ -142,6 +166,7 @@ def _count_calls(monkeypatch, owner, name: str) -> list:
 
 # --- indexer/build.py --------------------------------------------------------------------------------------
 
+
 def test_record_chunk__a_full_build_in_chunks_equals_one_chunk(tmp_path, monkeypatch):
     """RECORD_CHUNK (build.py, files per commit step of a full build): a chunked build must not shift ids, lose
     labels or miss a duplicate whose original was committed in an earlier chunk."""
@@ -149,8 +174,13 @@ def test_record_chunk__a_full_build_in_chunks_equals_one_chunk(tmp_path, monkeyp
     names = _names(0, 50)
     touch(data, names)
     order = sorted(names)  # ids are given in path order
-    groups = {order[6]: "pair", order[7]: "pair",                      # straddles the 1st chunk boundary (7)
-              order[13]: "triple", order[14]: "triple", order[29]: "triple"}  # and two more
+    groups = {
+        order[6]: "pair",
+        order[7]: "pair",  # straddles the 1st chunk boundary (7)
+        order[13]: "triple",
+        order[14]: "triple",
+        order[29]: "triple",
+    }  # and two more
     emb = DupEmbedder(tmp_path / "model", groups)
     ref = build_index_dir(_cfg(data, emb, tmp_path / "ref"), embedder=emb)
     adds = _count_calls(monkeypatch, MetadataStore, "add_items")
@@ -169,6 +199,7 @@ def test_record_chunk__a_full_build_in_chunks_equals_one_chunk(tmp_path, monkeyp
 
 # --- indexer/metadata.py -----------------------------------------------------------------------------------
 
+
 def test_write_chunk__build_update_and_compaction_store_the_same_in_small_transactions(tmp_path, monkeypatch):
     """WRITE_CHUNK (metadata.py, records per LMDB transaction of add_items / remove_items / materialize): a
     write split over transactions must not lose a duplicate hand-over, a tombstone or a deletion marker."""
@@ -176,9 +207,14 @@ def test_write_chunk__build_update_and_compaction_store_the_same_in_small_transa
     names = _names(0, 60)
     touch(data, names)
     order = sorted(names)
-    groups = {order[0]: "a", order[5]: "a", order[6]: "a",  # original, then its heir removed in the next txn
-              order[10]: "b", order[41]: "b",               # both removed, in different transactions
-              order[30]: "c"}                               # a copy of it is added by the update
+    groups = {
+        order[0]: "a",
+        order[5]: "a",
+        order[6]: "a",  # original, then its heir removed in the next txn
+        order[10]: "b",
+        order[41]: "b",  # both removed, in different transactions
+        order[30]: "c",
+    }  # a copy of it is added by the update
     new = _names(60, 78)
     groups[new[4]] = "c"
     groups[new[5]] = "a"
@@ -219,8 +255,10 @@ def test_write_chunk__build_update_and_compaction_store_the_same_in_small_transa
         low_delta = _dump_layer(d.generation_path / "delta.lmdb")
     assert low_delta == ref_delta and any(len(v) == 0 for _, v in low_delta["items"])  # deletion markers kept
 
-    (ref_c, ref_w), (low_c, low_w) = (run(tmp_path / "ref", False, compact="now"),
-                                      run(tmp_path / "low", True, compact="now"))
+    (ref_c, ref_w), (low_c, low_w) = (
+        run(tmp_path / "ref", False, compact="now"),
+        run(tmp_path / "low", True, compact="now"),
+    )
     assert ref_c.mode == low_c.mode == "compaction"
     assert low_w > ref_w + 10  # materialize applied the delta in many transactions
     c, e = _snapshot(tmp_path / "ref"), _snapshot(tmp_path / "low")
@@ -231,6 +269,7 @@ def test_write_chunk__build_update_and_compaction_store_the_same_in_small_transa
 
 
 # --- indexer/faiss_index.py --------------------------------------------------------------------------------
+
 
 def _unit_rows(n: int, d: int, seed: int) -> np.ndarray:
     x = np.random.default_rng(seed).normal(size=(n, d)).astype(np.float32)
@@ -302,8 +341,9 @@ def test_ondisk_part_rows__a_sharded_on_disk_build_equals_the_in_ram_build(tmp_p
     trained = faiss.deserialize_index(np.asarray(ram.trained))
     monkeypatch.setattr(faiss_index, "ONDISK_PART_ROWS", 300)
     writes = _count_calls(monkeypatch, faiss_index, "write_index")
-    disk = faiss_index.build_index(choice.factory, d, n, blocks, use_gpu=False, trained=trained,
-                                   on_disk=tmp_path / "vectors.ivfdata")
+    disk = faiss_index.build_index(
+        choice.factory, d, n, blocks, use_gpu=False, trained=trained, on_disk=tmp_path / "vectors.ivfdata"
+    )
     parts = [c for c in writes if ".part-" in str(c[1])]
     expected, held = 0, 0  # a shard is flushed at the first block end at or past ONDISK_PART_ROWS rows
     for a, b in zip(cuts, cuts[1:]):
@@ -327,8 +367,10 @@ def test_ondisk_part_rows__a_sharded_on_disk_build_equals_the_in_ram_build(tmp_p
     np.testing.assert_array_equal(rd, dd)
     for index in (ram.index, disk.index):
         faiss.extract_index_ivf(index).set_direct_map_type(faiss.DirectMap.Hashtable)
-    np.testing.assert_array_equal(np.stack([ram.index.reconstruct(int(i)) for i in ids[::97]]),
-                                  np.stack([disk.index.reconstruct(int(i)) for i in ids[::97]]))
+    np.testing.assert_array_equal(
+        np.stack([ram.index.reconstruct(int(i)) for i in ids[::97]]),
+        np.stack([disk.index.reconstruct(int(i)) for i in ids[::97]]),
+    )
 
 
 def test_ondisk_part_rows__an_on_disk_index_directory_serves_every_item(tmp_path, monkeypatch):
@@ -340,8 +382,7 @@ def test_ondisk_part_rows__an_on_disk_index_directory_serves_every_item(tmp_path
     monkeypatch.setattr(faiss_index, "ONDISK_PART_ROWS", 256)
     monkeypatch.setattr(vectors, "READ_ROWS", 100)  # blocks of 100 rows: shards end at 300 rows
     writes = _count_calls(monkeypatch, faiss_index, "write_index")
-    result = build_index_dir(_cfg(data, emb, tmp_path / "idx", index_type="ivfpq", max_index_memory=1000),
-                             embedder=emb)
+    result = build_index_dir(_cfg(data, emb, tmp_path / "idx", index_type="ivfpq", max_index_memory=1000), embedder=emb)
     assert result.count == 2000
     assert len([c for c in writes if ".part-" in str(c[1])]) == 7  # 6 of 300 rows, then 200
     with IndexDirectory.open(tmp_path / "idx") as d:
@@ -383,6 +424,7 @@ def test_flat_max_and_hnsw_max__auto_index_type_on_each_side(monkeypatch):
 
 # --- indexer/vectors.py ------------------------------------------------------------------------------------
 
+
 def test_read_rows__live_blocks_in_small_reads_yield_the_same_ids_and_vectors(tmp_path, monkeypatch):
     """READ_ROWS (vectors.py, rows per block handed to FAISS): reads of a few rows (some all dead) must yield
     every live row once, in id order, with its own vector, as one read does."""
@@ -409,19 +451,21 @@ def test_read_rows__live_blocks_in_small_reads_yield_the_same_ids_and_vectors(tm
 
 # --- indexer/update.py -------------------------------------------------------------------------------------
 
+
 def test_compact_fraction_and_min__compaction_exactly_past_both(monkeypatch):
     """COMPACT_FRACTION / COMPACT_MIN (update.py): compaction once delta + removed pass 5% of the base AND the
     minimum, neither at nor below either (test_index_updates crosses 5% only with a wide margin)."""
+
     def wanted(delta, removed, base):
         return update.needs_compaction(SimpleNamespace(delta_count=delta, removed_count=removed, base_count=base))
 
-    assert not wanted(600, 400, 10_000) and wanted(601, 400, 10_000)      # the 1,000-item minimum binds
+    assert not wanted(600, 400, 10_000) and wanted(601, 400, 10_000)  # the 1,000-item minimum binds
     assert not wanted(3000, 2000, 100_000) and wanted(3001, 2000, 100_000)  # 5% binds
     monkeypatch.setattr(update, "COMPACT_MIN", 20)
-    assert not wanted(10, 10, 300) and wanted(11, 10, 300)      # minimum 20 over 5% of 300 = 15
+    assert not wanted(10, 10, 300) and wanted(11, 10, 300)  # minimum 20 over 5% of 300 = 15
     assert not wanted(10, 5, 200) and not wanted(20, 0, 200) and wanted(21, 0, 200)
     monkeypatch.setattr(update, "COMPACT_MIN", 10)
-    assert not wanted(10, 5, 300) and wanted(10, 6, 300)        # 5% of 300 = 15 over the minimum 10
+    assert not wanted(10, 5, 300) and wanted(10, 6, 300)  # 5% of 300 = 15 over the minimum 10
 
 
 def test_compact_fraction__the_auto_compacted_generation_holds_what_the_updates_made(tmp_path, monkeypatch):
@@ -494,8 +538,8 @@ def test_max_dead_fraction__blocks_merged_past_10_percent_dead_hold_the_same_liv
     names = _names(0, 100)
     touch(data, names)
     emb = SyntheticEmbedder(tmp_path / "model", d=D)
-    _run_block_history(data, emb, tmp_path / "ten", [], sorted(names)[:10])       # 10 of 100 rows dead: kept
-    _run_block_history(data, emb, tmp_path / "eleven", [], sorted(names)[:11])    # 11 dead: merged
+    _run_block_history(data, emb, tmp_path / "ten", [], sorted(names)[:10])  # 10 of 100 rows dead: kept
+    _run_block_history(data, emb, tmp_path / "eleven", [], sorted(names)[:11])  # 11 dead: merged
     with IndexDirectory.open(tmp_path / "ten") as d:
         assert d.manifest.vector_blocks == ["g000001"]
     with IndexDirectory.open(tmp_path / "eleven") as d:
@@ -511,6 +555,7 @@ def test_max_dead_fraction__blocks_merged_past_10_percent_dead_hold_the_same_liv
 
 
 # --- indexer/embeddings_file.py ----------------------------------------------------------------------------
+
 
 def test_row_group__many_row_groups_hold_the_same_rows_as_one(tmp_path, monkeypatch):
     """ROW_GROUP (embeddings_file.py, rows per Parquet row group): row groups of 7 over 50 rows (and vector reads
@@ -528,7 +573,7 @@ def test_row_group__many_row_groups_hold_the_same_rows_as_one(tmp_path, monkeypa
     seven = write_embeddings(idx, tmp_path / "seven.parquet", row_group=7)
     monkeypatch.setattr(vectors, "READ_ROWS", 3)
     reads3 = write_embeddings(idx, tmp_path / "reads3.parquet", row_group=7)
-    npy1 = write_embeddings(idx, tmp_path / "npy1.parquet", npy=True)
+    write_embeddings(idx, tmp_path / "npy1.parquet", npy=True)
     npy7 = write_embeddings(idx, tmp_path / "npy7.parquet", npy=True, row_group=7)
     assert one.rows == seven.rows == reads3.rows == npy7.rows == 50
     assert pq.ParquetFile(tmp_path / "one.parquet").metadata.num_row_groups == 1
@@ -538,12 +583,14 @@ def test_row_group__many_row_groups_hold_the_same_rows_as_one(tmp_path, monkeypa
     assert pq.read_table(tmp_path / "reads3.parquet").equals(ref)
     assert pq.read_table(tmp_path / "npy7.parquet").equals(pq.read_table(tmp_path / "npy1.parquet"))
     np.testing.assert_array_equal(np.load(tmp_path / "npy7.npy"), np.load(tmp_path / "npy1.npy"))
-    np.testing.assert_array_equal(np.load(tmp_path / "npy7.npy"), np.stack(ref.column("vector").to_numpy(
-        zero_copy_only=False)))
+    np.testing.assert_array_equal(
+        np.load(tmp_path / "npy7.npy"), np.stack(ref.column("vector").to_numpy(zero_copy_only=False))
+    )
     assert ref.column("id").to_pylist() == list(range(50))
 
 
 # --- contracts/images.py -----------------------------------------------------------------------------------
+
 
 def _png(path: Path, side: int, noise: bool, seed: int = 0) -> bytes:
     from PIL import Image
@@ -590,6 +637,7 @@ def test_max_file_bytes__a_file_at_the_limit_is_read_one_byte_over_is_refused(tm
 
 # --- serve/http.py -----------------------------------------------------------------------------------------
 
+
 def test_small_file_bytes__item_images_read_whole_or_streamed_are_the_same_bytes(tmp_path, monkeypatch):
     """SMALL_FILE_BYTES (serve/http.py, item images up to this size sent from one read, larger ones streamed):
     through a real server, a file at the limit and one past it (streamed in several chunks) must arrive byte for
@@ -602,9 +650,11 @@ def test_small_file_bytes__item_images_read_whole_or_streamed_are_the_same_bytes
     from tests.index_fixtures import write_tiny_encoder
 
     data = tmp_path / "images"
-    files = {"a/small.png": _png(data / "a/small.png", 8, noise=False),
-             "a/big.png": _png(data / "a/big.png", 48, noise=True, seed=1),
-             "b/other.png": _png(data / "b/other.png", 16, noise=True, seed=2)}
+    files = {
+        "a/small.png": _png(data / "a/small.png", 8, noise=False),
+        "a/big.png": _png(data / "a/big.png", 48, noise=True, seed=1),
+        "b/other.png": _png(data / "b/other.png", 16, noise=True, seed=2),
+    }
     small, big = len(files["a/small.png"]), len(files["a/big.png"])
     assert big > small + 4000
     encoder = write_tiny_encoder(tmp_path / "model" / "encoder.onnx")
@@ -627,6 +677,7 @@ def test_small_file_bytes__item_images_read_whole_or_streamed_are_the_same_bytes
     server = RunningServer(http.create_app(engine))
     try:
         with httpx.Client(base_url=server.url, timeout=30) as client:
+
             def fetch(path: str) -> bytes:
                 r = client.get(f"/api/items/{ids[path]}/image")
                 assert r.status_code == 200 and int(r.headers["content-length"]) == len(files[path])
@@ -648,6 +699,7 @@ def test_small_file_bytes__item_images_read_whole_or_streamed_are_the_same_bytes
 
 
 # --- thresholds the issue did not list ---------------------------------------------------------------------
+
 
 def test_flat_max__an_update_past_it_rebuilds_as_hnsw_holding_what_a_fresh_build_holds(tmp_path, monkeypatch):
     """FLAT_MAX crossed by an update (build.py's restructure check): auto moves Flat -> HNSW in a compaction,
@@ -699,8 +751,7 @@ def test_training_sample__ivf_trained_on_a_sample_past_10000_vectors_draws_the_s
     assert built.trained_on == 10_000 and len(trained) == 1
     np.testing.assert_array_equal(np.asarray(trained[0][1]), xb[wanted])
     assert built.index.ntotal == n and built.recall_at_10 >= 0.95
-    small = faiss_index.build_index("IVF4,Flat", d, 10_000, lambda: iter([(ids[:10_000], xb[:10_000])]),
-                                    use_gpu=False)
+    small = faiss_index.build_index("IVF4,Flat", d, 10_000, lambda: iter([(ids[:10_000], xb[:10_000])]), use_gpu=False)
     assert small.trained_on == 10_000 and small.index.ntotal == 10_000
 
 
@@ -733,8 +784,9 @@ def test_ivf_list_ratio__an_update_that_moves_nlist_past_2x_retrains_as_a_fresh_
     """same_structure's nlist ratio (faiss_index.py: an IVF base keeps its lists while the wanted count stays
     within 2x, is retrained past it): at 2x the lists are kept, past it the compaction must hold what a fresh
     build of the folder holds (ids, records, vectors, lists)."""
-    assert faiss_index.same_structure("IVF5,Flat", "IVF10,Flat") and faiss_index.same_structure("IVF10,Flat",
-                                                                                              "IVF5,Flat")
+    assert faiss_index.same_structure("IVF5,Flat", "IVF10,Flat") and faiss_index.same_structure(
+        "IVF10,Flat", "IVF5,Flat"
+    )
     assert not faiss_index.same_structure("IVF5,Flat", "IVF11,Flat")
     assert not faiss_index.same_structure("IVF11,Flat", "IVF5,Flat")
     data = tmp_path / "images"

@@ -1,5 +1,6 @@
 """--time-budget: the plan from the measured speed, a tiny budget that stops on time with a checkpoint, and an
 interrupted budgeted run that a rerun continues to the same plan and the same deadline."""
+
 from __future__ import annotations
 
 import signal
@@ -19,7 +20,11 @@ from moco_retrieval.trainer.train import train
 
 def test_parse_duration__units_and_errors():
     assert (parse_duration("90s"), parse_duration("30m"), parse_duration("2h"), parse_duration("1.5h")) == (
-        90, 1800, 7200, 5400)
+        90,
+        1800,
+        7200,
+        5400,
+    )
     assert parse_duration("5") == 300  # a bare number is minutes
     for bad in ("soon", "-5m", "0s", "3 weeks"):
         with pytest.raises(ConfigError, match="time-budget"):
@@ -55,15 +60,43 @@ def test_train__tiny_budget_stops_on_time_with_a_checkpoint(shapes_dir, tmp_path
 
 def test_train__interrupted_budget_run_continues_to_the_same_plan(shapes_dir, tmp_path):
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "moco_retrieval", "train", str(shapes_dir), "--out", str(run), "--arch", "resnet18",
-           "--image-size", "32", "--batch-size", "8", "--queue-size", "16", "--time-budget", "14s", "--workers", "0",
-           "--device", "cpu", "--knn-every", "0", "--log-every", "1"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "moco_retrieval",
+        "train",
+        str(shapes_dir),
+        "--out",
+        str(run),
+        "--arch",
+        "resnet18",
+        "--image-size",
+        "32",
+        "--batch-size",
+        "8",
+        "--queue-size",
+        "16",
+        "--time-budget",
+        "14s",
+        "--workers",
+        "0",
+        "--device",
+        "cpu",
+        "--knn-every",
+        "0",
+        "--log-every",
+        "1",
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
     while time.time() < deadline:  # interrupt once the plan is fixed (20% of 14 s of timed steps)
         config = run / "config.json"
-        if config.exists() and '"time_budget": "14s"' in config.read_text() and "epochs" in config.read_text() \
-                and '"epochs": null' not in config.read_text():
+        if (
+            config.exists()
+            and '"time_budget": "14s"' in config.read_text()
+            and "epochs" in config.read_text()
+            and '"epochs": null' not in config.read_text()
+        ):
             break
         time.sleep(0.05)
     proc.send_signal(signal.SIGINT)
@@ -96,8 +129,9 @@ def test_train__a_budget_spent_at_an_epoch_end_still_ends_with_the_final_knn(sha
     import moco_retrieval.trainer.train as train_module
 
     monkeypatch.setattr(train_module, "_out_of_time", lambda t, p: p.step >= t.steps_per_epoch)  # spent as epoch 1 ends
-    cfg = tiny_train_config(shapes_dir, tmp_path / "run", epochs=None, time_budget="10m", batch_size=8,
-                            queue_size=16, knn_every=None)
+    cfg = tiny_train_config(
+        shapes_dir, tmp_path / "run", epochs=None, time_budget="10m", batch_size=8, queue_size=16, knn_every=None
+    )
     result = train(cfg)
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     last = [r for r in rows if r.get("kind") == "epoch"][-1]

@@ -1,4 +1,5 @@
 """The training loop end to end on CPU: bad inputs, unreadable files, checkpoints and exact resume."""
+
 from __future__ import annotations
 
 import json
@@ -18,8 +19,20 @@ from moco_retrieval.trainer.train import train
 
 
 def _cli(*args: str) -> list[str]:
-    return ["train", *args, "--arch", "resnet18", "--image-size", "32", "--workers", "0", "--device", "cpu",
-            "--knn-every", "0"]
+    return [
+        "train",
+        *args,
+        "--arch",
+        "resnet18",
+        "--image-size",
+        "32",
+        "--workers",
+        "0",
+        "--device",
+        "cpu",
+        "--knn-every",
+        "0",
+    ]
 
 
 def test_train__missing_folder_is_one_line_error_and_writes_nothing(tmp_path, capsys):
@@ -33,7 +46,9 @@ def test_train__missing_folder_is_one_line_error_and_writes_nothing(tmp_path, ca
 def test_train__empty_folder_is_refused(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "notes.txt").write_text("not an image")
-    code = main(_cli(str(tmp_path / "empty"), "--out", str(tmp_path / "run"), "--batch-size", "16", "--queue-size", "64"))
+    code = main(
+        _cli(str(tmp_path / "empty"), "--out", str(tmp_path / "run"), "--batch-size", "16", "--queue-size", "64")
+    )
     assert code == 3 and "no readable images" in capsys.readouterr().err
 
 
@@ -53,11 +68,29 @@ def test_train__queue_not_multiple_of_batch_is_refused(shapes_dir, tmp_path, cap
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a usable GPU")
 def test_train__cuda_without_gpu_is_refused(shapes_dir, tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "moco_retrieval", "train", str(shapes_dir), "--out", str(tmp_path / "run"), "--device",
-         "cuda", "--batch-size", "16", "--queue-size", "64"], capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "moco_retrieval",
+            "train",
+            str(shapes_dir),
+            "--out",
+            str(tmp_path / "run"),
+            "--device",
+            "cuda",
+            "--batch-size",
+            "16",
+            "--queue-size",
+            "64",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 2
-    assert proc.stderr.strip() == "moco: error: --device cuda requested but no CUDA GPU is usable here; use --device cpu"
+    assert (
+        proc.stderr.strip() == "moco: error: --device cuda requested but no CUDA GPU is usable here; use --device cpu"
+    )
     assert not (tmp_path / "run").exists()
 
 
@@ -78,15 +111,26 @@ def test_train__skips_unreadable_files_and_lists_them(tmp_path):
     result = train(tiny_train_config(data, tmp_path / "run", epochs=1, batch_size=8, queue_size=8))
     assert result.images == 16 and result.skipped == 3 and result.epochs_done == 1
     listed = (tmp_path / "run" / "skipped_files.txt").read_text().splitlines()
-    assert sorted(line.split("\t")[0] for line in listed) == ["circle/empty.jpg", "square/text.jpg", "star/truncated.png"]
+    assert sorted(line.split("\t")[0] for line in listed) == [
+        "circle/empty.jpg",
+        "square/text.jpg",
+        "star/truncated.png",
+    ]
 
 
 def test_train__writes_run_directory_artifacts(shapes_dir, tmp_path):
     run = tmp_path / "run"
     train(tiny_train_config(shapes_dir, run, epochs=2, save_every=1, knn_every=1))
     names = {p.name for p in run.iterdir()}
-    assert {"config.json", "checkpoint_last.pt", "checkpoint_0001.pt", "checkpoint_0002.pt", "metrics.jsonl",
-            "metrics.png", "skipped_files.txt"} <= names
+    assert {
+        "config.json",
+        "checkpoint_last.pt",
+        "checkpoint_0001.pt",
+        "checkpoint_0002.pt",
+        "metrics.jsonl",
+        "metrics.png",
+        "skipped_files.txt",
+    } <= names
     assert not [n for n in names if ".tmp" in n]
     assert json.loads((run / "config.json").read_text())["arch"] == "resnet18"
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -107,8 +151,10 @@ def test_train__resume_gives_same_parameters_as_straight_run(shapes_dir, tmp_pat
     b = load_checkpoint(tmp_path / "resumed")
     for name, tensor in a["model"].items():
         assert torch.equal(tensor, b["model"][name]), name
-    assert a["config"]["run_id"] != "" and b["config"]["run_id"] == json.loads(
-        (tmp_path / "resumed" / "config.json").read_text())["run_id"]
+    assert (
+        a["config"]["run_id"] != ""
+        and b["config"]["run_id"] == json.loads((tmp_path / "resumed" / "config.json").read_text())["run_id"]
+    )
 
 
 def test_train__resume_with_different_architecture_is_refused(shapes_dir, tmp_path):
@@ -170,9 +216,35 @@ def test_train__ctrl_c_saves_mid_epoch_and_rerun_finishes_the_same_schedule(shap
     import time
 
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "moco_retrieval", "train", str(shapes_dir), "--out", str(run), "--arch", "resnet18",
-           "--stem", "imagenet", "--image-size", "32", "--batch-size", "8", "--queue-size", "16", "--epochs", "1",
-           "--workers", "0", "--device", "cpu", "--knn-every", "0", "--log-every", "1"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "moco_retrieval",
+        "train",
+        str(shapes_dir),
+        "--out",
+        str(run),
+        "--arch",
+        "resnet18",
+        "--stem",
+        "imagenet",
+        "--image-size",
+        "32",
+        "--batch-size",
+        "8",
+        "--queue-size",
+        "16",
+        "--epochs",
+        "1",
+        "--workers",
+        "0",
+        "--device",
+        "cpu",
+        "--knn-every",
+        "0",
+        "--log-every",
+        "1",
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
     while time.time() < deadline:  # wait until some steps of the 12-step epoch are done, then press Ctrl-C
@@ -196,6 +268,7 @@ def test_train__ctrl_c_between_epochs_keeps_the_finished_epoch(shapes_dir, tmp_p
     """A Ctrl-C during an epoch's end (metrics, evaluation, plot) used to lose every step since the last
     checkpoint (checkpoints are written at most once a minute)."""
     import moco_retrieval.trainer.train as train_module
+
     real_append = train_module._append_jsonl
 
     def interrupt_at_first_epoch_row(path, row):
@@ -212,16 +285,19 @@ def test_train__ctrl_c_between_epochs_keeps_the_finished_epoch(shapes_dir, tmp_p
 
 
 def test_train__save_every_steps_writes_mid_epoch_checkpoints(shapes_dir, tmp_path):
-    result = train(tiny_train_config(shapes_dir, tmp_path / "run", epochs=2, batch_size=8, queue_size=16,
-                                     save_every_steps=5), stop_at_epoch=1)
+    result = train(
+        tiny_train_config(shapes_dir, tmp_path / "run", epochs=2, batch_size=8, queue_size=16, save_every_steps=5),
+        stop_at_epoch=1,
+    )
     assert result.steps == 12
     ckpt = load_checkpoint(tmp_path / "run")  # epoch end overwrites the mid-epoch one
     assert ckpt["epoch"] == 1 and ckpt["batch_in_epoch"] == 0
     # what a kill after step 10 leaves behind (mid-epoch saves at steps 5 and 10)
     ckpt["epoch"], ckpt["batch_in_epoch"], ckpt["step"] = 0, 10, 10
     torch.save(ckpt, tmp_path / "run" / "checkpoint_last.pt")
-    resumed = train(tiny_train_config(shapes_dir, tmp_path / "run", epochs=2, batch_size=8, queue_size=16,
-                                      save_every_steps=5))
+    resumed = train(
+        tiny_train_config(shapes_dir, tmp_path / "run", epochs=2, batch_size=8, queue_size=16, save_every_steps=5)
+    )
     assert resumed.steps == 10 + 2 + 12  # the 2 remaining batches of epoch 1, then epoch 2
 
 
@@ -237,8 +313,10 @@ class _MakesAFolder:
 
 def test_load_checkpoint__refuses_a_crafted_file_without_running_it(tmp_path, capsys):
     target = tmp_path / "created-by-unpickling"
-    torch.save({"format": "moco-retrieval/checkpoint", "format_version": 2, "payload": _MakesAFolder(target)},
-               tmp_path / "evil.pt")
+    torch.save(
+        {"format": "moco-retrieval/checkpoint", "format_version": 2, "payload": _MakesAFolder(target)},
+        tmp_path / "evil.pt",
+    )
     with pytest.raises(ArtifactError, match="refusing to load it"):
         load_checkpoint(tmp_path / "evil.pt")
     code = main(["export", str(tmp_path / "evil.pt"), "--out", str(tmp_path / "e.onnx")])
@@ -251,8 +329,12 @@ def test_load_checkpoint__format_1_checkpoints_with_numpy_rng_state_still_load(t
 
     import numpy as np
 
-    old = {"format": "moco-retrieval/checkpoint", "format_version": 1, "torch_version": torch.__version__,
-           "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}}
+    old = {
+        "format": "moco-retrieval/checkpoint",
+        "format_version": 1,
+        "torch_version": torch.__version__,
+        "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()},
+    }
     torch.save(old, tmp_path / "old.pt")
     ckpt = load_checkpoint(tmp_path / "old.pt")
     assert ckpt["format_version"] == 1 and ckpt["rng"]["numpy"][0] == "MT19937"

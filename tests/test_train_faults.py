@@ -1,6 +1,7 @@
 """Training faults (issue 18): a second ``moco train`` on one run directory, temporary files a killed
 checkpoint write left, and full disks while writing a checkpoint or an export. Each is one line with its exit
 code, and the run directory keeps what was done: the identical command resumes."""
+
 from __future__ import annotations
 
 import errno
@@ -31,14 +32,39 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def small_dir(tmp_path_factory) -> Path:
     """16 images: 2 steps an epoch at batch 8."""
-    return write_demo_dataset(tmp_path_factory.mktemp("small") / "data", per_class=4, size=32,
-                              classes=("circle", "square", "star", "ring"))
+    return write_demo_dataset(
+        tmp_path_factory.mktemp("small") / "data", per_class=4, size=32, classes=("circle", "square", "star", "ring")
+    )
 
 
 def _argv(data: Path, out: Path, epochs: int) -> list[str]:
-    return ["train", str(data), "--out", str(out), "--arch", "resnet18", "--stem", "imagenet", "--image-size", "32",
-            "--batch-size", "8", "--queue-size", "8", "--epochs", str(epochs), "--workers", "0", "--device", "cpu",
-            "--knn-every", "0", "--log-every", "1", "--no-amp"]
+    return [
+        "train",
+        str(data),
+        "--out",
+        str(out),
+        "--arch",
+        "resnet18",
+        "--stem",
+        "imagenet",
+        "--image-size",
+        "32",
+        "--batch-size",
+        "8",
+        "--queue-size",
+        "8",
+        "--epochs",
+        str(epochs),
+        "--workers",
+        "0",
+        "--device",
+        "cpu",
+        "--knn-every",
+        "0",
+        "--log-every",
+        "1",
+        "--no-amp",
+    ]
 
 
 def _temp_files(folder: Path) -> list[str]:
@@ -104,12 +130,18 @@ def test_run_dir_lock__removes_the_temporary_files_killed_writes_left_and_only_t
     os.close(fd)
     stale = [Path(name)]
     stale[0].write_bytes(b"x" * 100_000)
-    stale += [tmp_path / ".checkpoint_0003.pt.a1b2c3d4.tmp", tmp_path / ".metrics.png.zz_9yy8x.tmp",
-              tmp_path / ".config.json.abcdefgh.tmp"]
+    stale += [
+        tmp_path / ".checkpoint_0003.pt.a1b2c3d4.tmp",
+        tmp_path / ".metrics.png.zz_9yy8x.tmp",
+        tmp_path / ".config.json.abcdefgh.tmp",
+    ]
     for path in stale[1:]:
         path.write_bytes(b"x")
-    others = [tmp_path / ".encoder.onnx.abcdefgh.tmp",  # an export writing into the run directory meanwhile
-              tmp_path / "notes.tmp", tmp_path / ".checkpoint_last.pt.short.tmp"]
+    others = [
+        tmp_path / ".encoder.onnx.abcdefgh.tmp",  # an export writing into the run directory meanwhile
+        tmp_path / "notes.tmp",
+        tmp_path / ".checkpoint_last.pt.short.tmp",
+    ]
     for path in others:
         path.write_bytes(b"y")
     with caplog.at_level("WARNING"), RunDirLock(tmp_path) as lock:
@@ -122,8 +154,11 @@ def test_run_dir_lock__removes_the_temporary_files_killed_writes_left_and_only_t
 
 # -- metrics.jsonl after a kill -----------------------------------------------------------------------------------
 def _steps(run: Path) -> list[int]:
-    return [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()
-            if '"kind": "step"' in line]
+    return [
+        json.loads(line)["step"]
+        for line in (run / "metrics.jsonl").read_text().splitlines()
+        if '"kind": "step"' in line
+    ]
 
 
 def test_train__a_torn_metrics_line_and_rows_of_a_run_killed_before_its_checkpoint_are_not_kept(small_dir, tmp_path):
@@ -175,14 +210,18 @@ def test_save_atomic__disk_full_is_one_output_error_and_keeps_the_previous_check
     path = tmp_path / "checkpoint_last.pt"
     save_atomic({"step": 1, "w": torch.zeros(10)}, path)
     _full_disk_after(monkeypatch, 1000)
-    with pytest.raises(OutputError, match=r"^disk full while writing .*checkpoint_last\.pt; free some space "
-                                          r"\([\d,.]+ MB free there\) and rerun the same command"):
+    with pytest.raises(
+        OutputError,
+        match=r"^disk full while writing .*checkpoint_last\.pt; free some space "
+        r"\([\d,.]+ MB free there\) and rerun the same command",
+    ):
         save_atomic({"step": 2, "w": torch.zeros(100_000)}, path)
     assert torch.load(path, weights_only=True)["step"] == 1 and _temp_files(tmp_path) == []
 
 
-def test_train__disk_full_at_a_checkpoint_is_one_line_and_the_same_command_resumes(small_dir, tmp_path, monkeypatch,
-                                                                                 capsys):
+def test_train__disk_full_at_a_checkpoint_is_one_line_and_the_same_command_resumes(
+    small_dir, tmp_path, monkeypatch, capsys
+):
     run = tmp_path / "run"
     assert main(_argv(small_dir, run, 1)) == 0
     capsys.readouterr()
@@ -240,12 +279,14 @@ def test_disk_full__a_small_tmpfs_for_a_checkpoint_and_an_export_gives_one_line(
     export = shlex.join(moco + ["export", str(source), "--out", str(small / "encoder.onnx")])
     w, source_q = shlex.quote(str(tmp_path)), shlex.quote(str(source))
     disk_q, small_q = shlex.quote(str(disk)), shlex.quote(str(small))
-    script = (f'mount -t tmpfs -o size=200m tmpfs {disk_q} && mount -t tmpfs -o size=24m tmpfs {small_q} || exit 99; '
-              f'cp -a {source_q} {disk_q}/run && sha256sum {disk_q}/run/checkpoint_last.pt >{w}/before; '
-              f'{train} 2>{w}/train; echo $? >{w}/train.rc; sha256sum {disk_q}/run/checkpoint_last.pt >{w}/after; '
-              f'{export} 2>{w}/export; echo $? >{w}/export.rc; ls -a {disk_q}/run {small_q} >{w}/ls; '
-              f'mount -o remount,size=400m {disk_q} && {train} 2>{w}/rerun; echo $? >{w}/rerun.rc; '
-              f'ls {disk_q}/run >{w}/ls.after')
+    script = (
+        f"mount -t tmpfs -o size=200m tmpfs {disk_q} && mount -t tmpfs -o size=24m tmpfs {small_q} || exit 99; "
+        f"cp -a {source_q} {disk_q}/run && sha256sum {disk_q}/run/checkpoint_last.pt >{w}/before; "
+        f"{train} 2>{w}/train; echo $? >{w}/train.rc; sha256sum {disk_q}/run/checkpoint_last.pt >{w}/after; "
+        f"{export} 2>{w}/export; echo $? >{w}/export.rc; ls -a {disk_q}/run {small_q} >{w}/ls; "
+        f"mount -o remount,size=400m {disk_q} && {train} 2>{w}/rerun; echo $? >{w}/rerun.rc; "
+        f"ls {disk_q}/run >{w}/ls.after"
+    )
     proc = subprocess.run(prefix + ["sh", "-c", script], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     for name, file in (("train", "checkpoint_last.pt"), ("export", "encoder.onnx")):

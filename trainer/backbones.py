@@ -3,6 +3,7 @@
 A backbone maps images ``[N, 3, H, W]`` to features ``[N, D]`` (the classifier removed). These features are
 the representation that is exported, indexed and served.
 """
+
 from __future__ import annotations
 
 import math
@@ -43,8 +44,14 @@ class SplitBatchNorm2d(nn.BatchNorm2d):
         mean_split = self.running_mean.repeat(g)
         var_split = self.running_var.repeat(g)
         out = F.batch_norm(
-            x.reshape(n // g, c * g, h, w), mean_split, var_split,
-            self.weight.repeat(g), self.bias.repeat(g), True, self.momentum, self.eps,
+            x.reshape(n // g, c * g, h, w),
+            mean_split,
+            var_split,
+            self.weight.repeat(g),
+            self.bias.repeat(g),
+            True,
+            self.momentum,
+            self.eps,
         ).reshape(n, c, h, w)
         with torch.no_grad():  # keep one set of running statistics: the mean over the groups
             self.running_mean.copy_(mean_split.view(g, c).mean(0))
@@ -109,8 +116,16 @@ def build_vit(arch: str, image_size: int, patch_size: int = 16) -> tuple[nn.Modu
     if arch not in VITS:
         raise ConfigError(f"unknown ViT {arch!r}; choose one of {', '.join(VITS)}")
     embed_dim, depth, num_heads = VIT_SHAPES[arch]
-    model = VisionTransformer(img_size=image_size, patch_size=patch_size, embed_dim=embed_dim, depth=depth,
-                              num_heads=num_heads, num_classes=0, global_pool="token", weight_init="moco")
+    model = VisionTransformer(
+        img_size=image_size,
+        patch_size=patch_size,
+        embed_dim=embed_dim,
+        depth=depth,
+        num_heads=num_heads,
+        num_classes=0,
+        global_pool="token",
+        weight_init="moco",
+    )
     with torch.no_grad():
         grid = model.patch_embed.grid_size  # (rows, cols) of patches
         table = build_sincos2d_pos_embed(list(grid), dim=embed_dim)  # [rows*cols, D]

@@ -20,6 +20,7 @@ Differences from torchvision that remain, deliberately: pixels stay float in [0,
 (torchvision and PIL round to uint8 after each), and the crop is resampled bilinearly from the cache, not
 with PIL's antialiasing filter from the original.
 """
+
 from __future__ import annotations
 
 import math
@@ -96,8 +97,14 @@ def _uniform(n: int, low: float, high: float, gen: torch.Generator, device) -> t
     return low + (high - low) * torch.rand(n, generator=gen, device=device)
 
 
-def sample_crops(widths: torch.Tensor, heights: torch.Tensor, scale: tuple[float, float], ratio: tuple[float, float],
-                 gen: torch.Generator, attempts: int = 10) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def sample_crops(
+    widths: torch.Tensor,
+    heights: torch.Tensor,
+    scale: tuple[float, float],
+    ratio: tuple[float, float],
+    gen: torch.Generator,
+    attempts: int = 10,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """torchvision's ``RandomResizedCrop.get_params`` for N images at once.
 
     Args:
@@ -120,7 +127,9 @@ def sample_crops(widths: torch.Tensor, heights: torch.Tensor, scale: tuple[float
     w_pick, h_pick = w.gather(1, pick)[:, 0], h.gather(1, pick)[:, 0]
     # fallback (no attempt fitted): a centre crop with the aspect ratio clamped into range
     in_ratio = widths / heights
-    w_fb = torch.where(in_ratio < ratio[0], widths, torch.where(in_ratio > ratio[1], (heights * ratio[1]).round(), widths))
+    w_fb = torch.where(
+        in_ratio < ratio[0], widths, torch.where(in_ratio > ratio[1], (heights * ratio[1]).round(), widths)
+    )
     h_fb = torch.where(in_ratio < ratio[0], (widths / ratio[0]).round(), heights)
     w_c, h_c = torch.where(found, w_pick, w_fb), torch.where(found, h_pick, h_fb)
     # offsets: uniform integers in [0, W - w] (torch.randint's range), centred for the fallback
@@ -141,14 +150,28 @@ def sample_view(spec: ViewSpec, widths: torch.Tensor, heights: torch.Tensor, gen
 
     jitter = coin(spec.jitter_p)
     one = torch.ones(n, device=device)
-    factors = [torch.where(jitter, _uniform(n, max(0.0, 1 - x), 1 + x, gen, device), one)
-               for x in (spec.brightness, spec.contrast, spec.saturation)]
+    factors = [
+        torch.where(jitter, _uniform(n, max(0.0, 1 - x), 1 + x, gen, device), one)
+        for x in (spec.brightness, spec.contrast, spec.saturation)
+    ]
     hue = torch.where(jitter, _uniform(n, -spec.hue, spec.hue, gen, device), torch.zeros(n, device=device))
     order = torch.rand(n, 4, generator=gen, device=device).argsort(dim=1)  # a uniform permutation per image
-    return ViewParams(boxes=boxes, crop_area=area, crop_aspect=aspect, flip=coin(spec.flip_p), jitter=jitter,
-                      order=order, brightness=factors[0], contrast=factors[1], saturation=factors[2], hue=hue,
-                      grayscale=coin(spec.grayscale_p), blur=coin(spec.blur_p),
-                      sigma=_uniform(n, *spec.blur_sigma, gen, device), solarize=coin(spec.solarize_p))
+    return ViewParams(
+        boxes=boxes,
+        crop_area=area,
+        crop_aspect=aspect,
+        flip=coin(spec.flip_p),
+        jitter=jitter,
+        order=order,
+        brightness=factors[0],
+        contrast=factors[1],
+        saturation=factors[2],
+        hue=hue,
+        grayscale=coin(spec.grayscale_p),
+        blur=coin(spec.blur_p),
+        sigma=_uniform(n, *spec.blur_sigma, gen, device),
+        solarize=coin(spec.solarize_p),
+    )
 
 
 # -- per-image operations on float [n, 3, H, W] batches in [0, 1] -------------------------------------------------
@@ -215,9 +238,9 @@ def gaussian_blur(x: torch.Tensor, sigma: torch.Tensor, kernel_size: int) -> tor
     pad = kernel_size // 2
     if kernel_size <= SHIFTED_BLUR_MAX_KERNEL:
         xp = F.pad(x, (pad, pad, 0, 0), mode="reflect")
-        y = sum(kernel[:, i].view(n, 1, 1, 1) * xp[..., i:i + w] for i in range(kernel_size))
+        y = sum(kernel[:, i].view(n, 1, 1, 1) * xp[..., i : i + w] for i in range(kernel_size))
         yp = F.pad(y, (0, 0, pad, pad), mode="reflect")
-        return sum(kernel[:, i].view(n, 1, 1, 1) * yp[..., i:i + h, :] for i in range(kernel_size))
+        return sum(kernel[:, i].view(n, 1, 1, 1) * yp[..., i : i + h, :] for i in range(kernel_size))
     weight = kernel.repeat_interleave(c, dim=0)  # [n*c, k]
     y = F.pad(x.reshape(1, n * c, h, w), (pad, pad, pad, pad), mode="reflect")
     y = F.conv2d(y, weight.view(n * c, 1, 1, kernel_size), groups=n * c)
@@ -286,14 +309,19 @@ class TwoViewAugment:
         memory_format: layout of the outputs (channels-last for ResNets).
     """
 
-    def __init__(self, views: tuple[ViewSpec, ViewSpec], image_size: int,
-                 memory_format: torch.memory_format = torch.contiguous_format):
+    def __init__(
+        self,
+        views: tuple[ViewSpec, ViewSpec],
+        image_size: int,
+        memory_format: torch.memory_format = torch.contiguous_format,
+    ):
         self.views = views
         self.image_size = image_size
         self.memory_format = memory_format
 
-    def __call__(self, pixels: torch.Tensor, sizes: torch.Tensor, gen: torch.Generator
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(
+        self, pixels: torch.Tensor, sizes: torch.Tensor, gen: torch.Generator
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Args:
             pixels: uint8 ``[N, S, S, 3]`` (cached, squashed images).
             sizes: ``[N, 2]`` original (width, height) in pixels.

@@ -18,6 +18,7 @@ A record that is missing (a cache written before checksums), stale (another rows
 rebuilt from the rows as they are, once, reading the rows file; one that covers fewer rows than the index
 (rows appended by an older version) is extended over the rest.
 """
+
 from __future__ import annotations
 
 import math
@@ -49,12 +50,17 @@ class RowChecksums:
         """The index's record, or None when it is missing, stale or malformed (then it is rebuilt)."""
         record = index.get("checksums")
         try:
-            sums = cls(str(record["pixels"]), int(record["block_rows"]), int(record["rows"]),
-                       [int(c) for c in record["crc32"]])
+            sums = cls(
+                str(record["pixels"]), int(record["block_rows"]), int(record["rows"]), [int(c) for c in record["crc32"]]
+            )
         except (TypeError, KeyError, ValueError):
             return None
-        if (sums.pixels != index["pixels"] or sums.block_rows < 1 or not 0 <= sums.rows <= index["rows"]
-                or len(sums.crc32) != math.ceil(sums.rows / sums.block_rows)):
+        if (
+            sums.pixels != index["pixels"]
+            or sums.block_rows < 1
+            or not 0 <= sums.rows <= index["rows"]
+            or len(sums.crc32) != math.ceil(sums.rows / sums.block_rows)
+        ):
             return None
         return sums
 

@@ -10,6 +10,7 @@ loaded with ``torch.load(weights_only=True)``: a crafted ``.pt`` cannot run code
 stored numpy's RNG state as an array and torch's version as its own string class; they still load, with
 exactly those classes allowed. Anything else is refused with a one-line error.
 """
+
 from __future__ import annotations
 
 import logging
@@ -37,13 +38,30 @@ def save_atomic(obj: dict, path: str | Path) -> None:
             torch.save(obj, writer)
 
 
-def checkpoint_dict(cfg, model: torch.nn.Module, *, epoch: int, step: int, optimizer=None, batch_in_epoch: int = 0,
-                    schedule: dict | None = None, rng: dict | None = None) -> dict:
+def checkpoint_dict(
+    cfg,
+    model: torch.nn.Module,
+    *,
+    epoch: int,
+    step: int,
+    optimizer=None,
+    batch_in_epoch: int = 0,
+    schedule: dict | None = None,
+    rng: dict | None = None,
+) -> dict:
     """The checkpoint of ``model`` (a whole MoCo model) trained as ``cfg`` (a resolved ``TrainConfig``), in the
     format of the module docstring: what ``moco train`` writes and ``moco export`` reads."""
-    ckpt = {"format": CHECKPOINT_FORMAT, "format_version": CHECKPOINT_VERSION, "run_id": cfg.run_id,
-            "config": cfg.to_dict(), "model": model.state_dict(), "epoch": epoch, "batch_in_epoch": batch_in_epoch,
-            "step": step, "torch_version": str(torch.__version__)}
+    ckpt = {
+        "format": CHECKPOINT_FORMAT,
+        "format_version": CHECKPOINT_VERSION,
+        "run_id": cfg.run_id,
+        "config": cfg.to_dict(),
+        "model": model.state_dict(),
+        "epoch": epoch,
+        "batch_in_epoch": batch_in_epoch,
+        "step": step,
+        "torch_version": str(torch.__version__),
+    }
     if optimizer is not None:
         ckpt["optimizer"] = optimizer.state_dict()
     if schedule is not None:
@@ -53,8 +71,9 @@ def checkpoint_dict(cfg, model: torch.nn.Module, *, epoch: int, step: int, optim
     return ckpt
 
 
-def write_random_init_checkpoint(cfg, run_dir: str | Path, seed: int = 0, num_images: int = 96,
-                                 change=None, epoch: int = 0, step: int = 0) -> Path:
+def write_random_init_checkpoint(
+    cfg, run_dir: str | Path, seed: int = 0, num_images: int = 96, change=None, epoch: int = 0, step: int = 0
+) -> Path:
     """``run_dir/checkpoint_last.pt`` of an untrained model of ``cfg`` (options left unset resolved by its
     recipe as for ``num_images`` images), for exports and benchmarks that need a real encoder but no training
     (the random-weights baseline). ``change(model)``, when given, edits the model before it is saved; ``epoch``
@@ -76,10 +95,17 @@ def write_random_init_checkpoint(cfg, run_dir: str | Path, seed: int = 0, num_im
 def rng_state() -> dict:
     """The RNG states of torch, numpy, Python (and CUDA), as tensors and plain values."""
     kind, keys, pos, has_gauss, cached = np.random.get_state()
-    state = {"torch": torch.get_rng_state(),
-             "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-                       "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
-             "python": random.getstate()}
+    state = {
+        "torch": torch.get_rng_state(),
+        "numpy": {
+            "kind": kind,
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        },
+        "python": random.getstate(),
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -89,8 +115,15 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     numpy_state = state["numpy"]
     if isinstance(numpy_state, dict):
-        np.random.set_state((numpy_state["kind"], numpy_state["keys"].numpy().astype(np.uint32), numpy_state["pos"],
-                             numpy_state["has_gauss"], numpy_state["cached_gaussian"]))
+        np.random.set_state(
+            (
+                numpy_state["kind"],
+                numpy_state["keys"].numpy().astype(np.uint32),
+                numpy_state["pos"],
+                numpy_state["has_gauss"],
+                numpy_state["cached_gaussian"],
+            )
+        )
     else:  # format 1: numpy's own tuple
         np.random.set_state(numpy_state)
     random.setstate(state["python"])
@@ -112,8 +145,13 @@ def _format1_globals() -> list:
     """What a format-1 checkpoint holds besides tensors and plain values: numpy's RNG state as an array (array
     reconstruction only) and torch's version string class."""
     core = getattr(np, "_core", None) or np.core
-    return [core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32)),
-            torch.torch_version.TorchVersion]
+    return [
+        core.multiarray._reconstruct,
+        np.ndarray,
+        np.dtype,
+        type(np.dtype(np.uint32)),
+        torch.torch_version.TorchVersion,
+    ]
 
 
 def _refused_global(exc: Exception) -> bool:
@@ -141,8 +179,10 @@ def safe_load(path: Path, hint: str = "Use a checkpoint written by `moco train`"
         except pickle.UnpicklingError as exc:
             if not _refused_global(exc):
                 raise
-            raise ArtifactError(f"{path} holds objects other than tensors and plain values; refusing to load it "
-                                f"(loading could run code). {hint}") from exc
+            raise ArtifactError(
+                f"{path} holds objects other than tensors and plain values; refusing to load it "
+                f"(loading could run code). {hint}"
+            ) from exc
 
 
 def load_checkpoint(path: str | Path) -> dict:

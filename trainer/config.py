@@ -6,6 +6,7 @@ Fields left at ``None`` are derived when the run starts, from the user's data si
 by the recipe (``--recipe auto``, :mod:`trainer.recipes`) or taken from the papers (``--recipe paper``); the
 resolved values, and why each was chosen, go to ``config.json``. A resumed run rebuilds its model from it.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,8 +31,21 @@ RECIPES = ("auto", "paper")
 
 # Fields that define the model, the data order or the objective: a resumed run must match them.
 RESUME_MUST_MATCH = (
-    "moco_version", "arch", "stem", "patch_size", "image_size", "batch_size", "dim", "mlp_hidden", "queue_size",
-    "temperature", "seed", "bn_splits", "recipe", "time_budget", "init",
+    "moco_version",
+    "arch",
+    "stem",
+    "patch_size",
+    "image_size",
+    "batch_size",
+    "dim",
+    "mlp_hidden",
+    "queue_size",
+    "temperature",
+    "seed",
+    "bn_splits",
+    "recipe",
+    "time_budget",
+    "init",
 )
 GROUPS = ("model", "recipe and schedule", "running", "k-NN monitor")
 
@@ -68,86 +82,165 @@ class TrainConfig:
     data_dir: str = option("", "folder of training images", "running", cli=False)
     out_dir: str = option("", "run directory", "running", cli=False)
     # -- model --------------------------------------------------------------------------------------------------
-    moco_version: int = option(2, "2: MoCo v2 (a queue of negatives, SGD); 3: MoCo v3 (symmetric in-batch loss, "
-                                  "a predictor, no queue; LARS for ResNets, AdamW for ViTs)", "model", choices=(2, 3))
-    arch: str = option("auto", f"backbone network; resnet18 trains fastest; vit_* need --moco-version 3; auto: "
-                               f"the --init file's, else {DEFAULT_ARCH}", "model", choices=("auto",) + ARCHS)
-    init: str | None = option(None, "start from these weights instead of random ones: a local torchvision or timm "
-                                    "state dict (.pth/.pt/.bin/.safetensors), a facebookresearch/moco or moco-v3 "
-                                    "checkpoint, or a moco-retrieval run; the architecture is read from the file",
-                              "model", metavar="SOURCE")
-    stem: str = option("auto", "ResNet first layers: 'small' keeps the resolution of 32-96 px images (about 9x "
-                               "the compute of 'imagenet', which downsamples 4x); auto: see --recipe",
-                       "model", choices=STEMS)
-    patch_size: int = option(0, "ViT patch size in pixels (0 = auto: 16, 8 at 96 px and below, 4 at 32 px and "
-                                "below)", "model")
+    moco_version: int = option(
+        2,
+        "2: MoCo v2 (a queue of negatives, SGD); 3: MoCo v3 (symmetric in-batch loss, "
+        "a predictor, no queue; LARS for ResNets, AdamW for ViTs)",
+        "model",
+        choices=(2, 3),
+    )
+    arch: str = option(
+        "auto",
+        f"backbone network; resnet18 trains fastest; vit_* need --moco-version 3; auto: "
+        f"the --init file's, else {DEFAULT_ARCH}",
+        "model",
+        choices=("auto",) + ARCHS,
+    )
+    init: str | None = option(
+        None,
+        "start from these weights instead of random ones: a local torchvision or timm "
+        "state dict (.pth/.pt/.bin/.safetensors), a facebookresearch/moco or moco-v3 "
+        "checkpoint, or a moco-retrieval run; the architecture is read from the file",
+        "model",
+        metavar="SOURCE",
+    )
+    stem: str = option(
+        "auto",
+        "ResNet first layers: 'small' keeps the resolution of 32-96 px images (about 9x "
+        "the compute of 'imagenet', which downsamples 4x); auto: see --recipe",
+        "model",
+        choices=STEMS,
+    )
+    patch_size: int = option(
+        0, "ViT patch size in pixels (0 = auto: 16, 8 at 96 px and below, 4 at 32 px and below)", "model"
+    )
     image_size: int = option(224, "training crop size in pixels (square)", "model")
     dim: int | None = option(None, "projection output dimension used by the loss (v2 128, v3 256)", "model")
-    mlp_hidden: int | None = option(None, "hidden width of the projection (and v3 prediction) head; 0 = the "
-                                          "backbone's width (v2 0, v3 4096)", "model")
-    queue_size: int | None = option(None, "v2: negative keys remembered from past batches, a multiple of the "
-                                          "batch (paper 65536, auto: see the recipe below; always at most half the images)", "model")
-    momentum: float | None = option(None, "how slowly the key encoder follows the query encoder, 0-1 (paper v2 "
-                                          "0.999, v3 0.99 rising to 1; auto: 1 - 1/tau with tau 5%% of the run)",
-                                    "model")
-    temperature: float | None = option(None, "softmax temperature of the contrastive loss (paper v2 0.2, v3 1.0 "
-                                             "ResNet / 0.2 ViT; auto 0.2)", "model")
-    bn_splits: int = option(0, "v2: batch-norm groups in one process so BN cannot reveal the positive pair (0 = "
-                               "auto: up to 8 groups of at least 16 images; 1 under torchrun)", "model")
+    mlp_hidden: int | None = option(
+        None,
+        "hidden width of the projection (and v3 prediction) head; 0 = the backbone's width (v2 0, v3 4096)",
+        "model",
+    )
+    queue_size: int | None = option(
+        None,
+        "v2: negative keys remembered from past batches, a multiple of the "
+        "batch (paper 65536, auto: see the recipe below; always at most half the images)",
+        "model",
+    )
+    momentum: float | None = option(
+        None,
+        "how slowly the key encoder follows the query encoder, 0-1 (paper v2 "
+        "0.999, v3 0.99 rising to 1; auto: 1 - 1/tau with tau 5%% of the run)",
+        "model",
+    )
+    temperature: float | None = option(
+        None, "softmax temperature of the contrastive loss (paper v2 0.2, v3 1.0 ResNet / 0.2 ViT; auto 0.2)", "model"
+    )
+    bn_splits: int = option(
+        0,
+        "v2: batch-norm groups in one process so BN cannot reveal the positive pair (0 = "
+        "auto: up to 8 groups of at least 16 images; 1 under torchrun)",
+        "model",
+    )
     # -- recipe and schedule ------------------------------------------------------------------------------------
-    recipe: str = option("auto", "how options left unset are chosen: 'auto' derives them from your batch size, "
-                                 "data size and time budget with what learned in short runs (config.json says "
-                                 "why); 'paper' uses the MoCo papers' values, made for batches of 256-4096 and "
-                                 "hundreds of epochs", "recipe and schedule", choices=RECIPES)
-    time_budget: str | None = option(None, "train for this long (90s, 30m, 2h) instead of --epochs: the first "
-                                           "minute's throughput sets the number of steps, the schedules span the "
-                                           "budget, and the run stops on time with a checkpoint",
-                                     "recipe and schedule", metavar="DURATION")
-    epochs: int | None = option(None, "passes over the data (default 200 without --time-budget)",
-                                "recipe and schedule")
-    batch_size: int | None = option(None, "images per step, summed over all processes/GPUs (paper 256; auto: "
-                                          "by data size, 32-256)", "recipe and schedule")
-    lr: float | None = option(None, "base learning rate, x batch/256 unless --no-lr-scale (paper 0.03 v2, 0.6 "
-                                    "v3 ResNet, 1.5e-4 ViT)", "recipe and schedule")
-    lr_scale: bool = option(True, "scale --lr by batch/256 (linear scaling rule); --no-lr-scale uses it as given",
-                            "recipe and schedule")
-    warmup_epochs: float | None = option(None, "epochs of linear learning-rate warm-up before the cosine decay "
-                                               "(paper: 0 v2, 10%% of the run v3; auto: 1 epoch for v3, at most "
-                                               "10%% of the run)", "recipe and schedule")
-    weight_decay: float | None = option(None, "weight decay (1e-4 v2, 1e-6 LARS, 0.1 AdamW; v3 exempts biases "
-                                              "and norms)", "recipe and schedule")
+    recipe: str = option(
+        "auto",
+        "how options left unset are chosen: 'auto' derives them from your batch size, "
+        "data size and time budget with what learned in short runs (config.json says "
+        "why); 'paper' uses the MoCo papers' values, made for batches of 256-4096 and "
+        "hundreds of epochs",
+        "recipe and schedule",
+        choices=RECIPES,
+    )
+    time_budget: str | None = option(
+        None,
+        "train for this long (90s, 30m, 2h) instead of --epochs: the first "
+        "minute's throughput sets the number of steps, the schedules span the "
+        "budget, and the run stops on time with a checkpoint",
+        "recipe and schedule",
+        metavar="DURATION",
+    )
+    epochs: int | None = option(None, "passes over the data (default 200 without --time-budget)", "recipe and schedule")
+    batch_size: int | None = option(
+        None,
+        "images per step, summed over all processes/GPUs (paper 256; auto: by data size, 32-256)",
+        "recipe and schedule",
+    )
+    lr: float | None = option(
+        None,
+        "base learning rate, x batch/256 unless --no-lr-scale (paper 0.03 v2, 0.6 v3 ResNet, 1.5e-4 ViT)",
+        "recipe and schedule",
+    )
+    lr_scale: bool = option(
+        True, "scale --lr by batch/256 (linear scaling rule); --no-lr-scale uses it as given", "recipe and schedule"
+    )
+    warmup_epochs: float | None = option(
+        None,
+        "epochs of linear learning-rate warm-up before the cosine decay "
+        "(paper: 0 v2, 10%% of the run v3; auto: 1 epoch for v3, at most "
+        "10%% of the run)",
+        "recipe and schedule",
+    )
+    weight_decay: float | None = option(
+        None, "weight decay (1e-4 v2, 1e-6 LARS, 0.1 AdamW; v3 exempts biases and norms)", "recipe and schedule"
+    )
     sgd_momentum: float = option(0.9, "SGD / LARS momentum", "recipe and schedule")
     # -- running ------------------------------------------------------------------------------------------------
-    workers: int = option(_default_workers, "processes that decode images into the cache and gather batches "
-                                            "(default: min(4, CPU cores))", "running")
+    workers: int = option(
+        _default_workers,
+        "processes that decode images into the cache and gather batches (default: min(4, CPU cores))",
+        "running",
+    )
     device: str = option("auto", "auto (GPU when usable), cpu, cuda or cuda:N", "running")
-    amp: bool | None = option(None, "bfloat16 mixed precision (default: on for GPUs and for CPUs with native "
-                                    "bf16, e.g. avx512_bf16 or AMX; --no-amp refuses it)", "running",
-                              action=argparse.BooleanOptionalAction)
+    amp: bool | None = option(
+        None,
+        "bfloat16 mixed precision (default: on for GPUs and for CPUs with native "
+        "bf16, e.g. avx512_bf16 or AMX; --no-amp refuses it)",
+        "running",
+        action=argparse.BooleanOptionalAction,
+    )
     compile: bool = option(False, "torch.compile the encoders (slow start, faster GPU steps)", "running")
     seed: int = option(0, "seed of initialisation, data order and augmentation", "running")
-    cache_dir: str | None = option(None, "where decoded images are cached (default: $MOCO_CACHE_DIR, else "
-                                         "~/.cache/moco-retrieval); shared by later runs on the same folder",
-                                   "running", metavar="DIR")
+    cache_dir: str | None = option(
+        None,
+        "where decoded images are cached (default: $MOCO_CACHE_DIR, else "
+        "~/.cache/moco-retrieval); shared by later runs on the same folder",
+        "running",
+        metavar="DIR",
+    )
     save_every: int = option(10, "keep a numbered checkpoint every N epochs", "running")
-    save_every_steps: int = option(0, "also save checkpoint_last.pt every N steps inside an epoch, so a killed run "
-                                      "loses at most N steps (0: at epoch ends; Ctrl-C always saves)", "running")
+    save_every_steps: int = option(
+        0,
+        "also save checkpoint_last.pt every N steps inside an epoch, so a killed run "
+        "loses at most N steps (0: at epoch ends; Ctrl-C always saves)",
+        "running",
+    )
     log_every: int = option(10, "write a metrics.jsonl line every N steps", "running")
     # -- k-NN monitor -------------------------------------------------------------------------------------------
-    knn_dir: str | None = option(None, "labeled folder (one subfolder per class, or train/ and val/) to report "
-                                       "k-NN accuracy on; default: DATA_DIR itself when it has class subfolders",
-                                 "k-NN monitor", metavar="DIR")
-    knn_every: int | None = option(None, "evaluate k-NN every N epochs (0 = never; default: about 10 times per "
-                                         "run, and always at the start and the end)", "k-NN monitor")
+    knn_dir: str | None = option(
+        None,
+        "labeled folder (one subfolder per class, or train/ and val/) to report "
+        "k-NN accuracy on; default: DATA_DIR itself when it has class subfolders",
+        "k-NN monitor",
+        metavar="DIR",
+    )
+    knn_every: int | None = option(
+        None,
+        "evaluate k-NN every N epochs (0 = never; default: about 10 times per "
+        "run, and always at the start and the end)",
+        "k-NN monitor",
+    )
     knn_k: int = option(KNN_K, "neighbours that vote", "k-NN monitor")
     knn_temperature: float = option(KNN_TEMPERATURE, "vote weight exp(similarity / T)", "k-NN monitor")
-    knn_max_images: int = option(5000, "cap on images the monitor uses per split (a fixed, even spread)",
-                                 "k-NN monitor")
+    knn_max_images: int = option(
+        5000, "cap on images the monitor uses per split (a fixed, even spread)", "k-NN monitor"
+    )
     # -- set by the run -----------------------------------------------------------------------------------------
     run_id: str = option("", "set when the run starts; kept across resumes", "running", cli=False)
     derived: dict = option(dict, "value and reason of every option the recipe chose", "running", cli=False)
-    init_report: dict = option(dict, "what --init loaded, left fresh and ignored (trainer.pretrained)", "running",
-                               cli=False)
+    init_report: dict = option(
+        dict, "what --init loaded, left fresh and ignored (trainer.pretrained)", "running", cli=False
+    )
     extra: dict = option(dict, "free-form notes carried into config.json", "running", cli=False)
 
     def __post_init__(self) -> None:
@@ -167,26 +260,50 @@ class TrainConfig:
             parse_duration(self.time_budget)
             if self.epochs is not None and not self.derived.get("epochs"):
                 raise ConfigError("give either --epochs or --time-budget, not both")
-        for name in ("image_size", "epochs", "batch_size", "lr", "temperature", "dim", "knn_k", "knn_temperature",
-                     "knn_max_images"):
+        for name in (
+            "image_size",
+            "epochs",
+            "batch_size",
+            "lr",
+            "temperature",
+            "dim",
+            "knn_k",
+            "knn_temperature",
+            "knn_max_images",
+        ):
             _positive(name, getattr(self, name))
-        for name in ("warmup_epochs", "weight_decay", "workers", "mlp_hidden", "bn_splits", "knn_every", "queue_size",
-                     "patch_size", "save_every_steps"):
+        for name in (
+            "warmup_epochs",
+            "weight_decay",
+            "workers",
+            "mlp_hidden",
+            "bn_splits",
+            "knn_every",
+            "queue_size",
+            "patch_size",
+            "save_every_steps",
+        ):
             value = getattr(self, name)
             if value is not None and value < 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {value}")
         if self.image_size < 16:
             raise ConfigError(f"--image-size must be at least 16 pixels, got {self.image_size}")
         if self.arch in VITS and self.resolved_patch_size > self.image_size // 2:
-            raise ConfigError(f"--patch-size {self.resolved_patch_size} leaves fewer than 4 patches in a "
-                              f"{self.image_size} px image; use --patch-size {max(1, self.image_size // 8)} "
-                              f"or larger images")
+            raise ConfigError(
+                f"--patch-size {self.resolved_patch_size} leaves fewer than 4 patches in a "
+                f"{self.image_size} px image; use --patch-size {max(1, self.image_size // 8)} "
+                f"or larger images"
+            )
         if self.momentum is not None and not 0.0 <= self.momentum < 1.0:
             raise ConfigError(f"--momentum must be in [0, 1), got {self.momentum}")
         if self.epochs is not None and self.warmup_epochs is not None and self.warmup_epochs >= self.epochs:
             raise ConfigError(f"--warmup-epochs ({self.warmup_epochs}) must be less than --epochs ({self.epochs})")
-        if (self.moco_version == 2 and self.queue_size is not None and self.batch_size is not None
-                and self.queue_size % self.batch_size):
+        if (
+            self.moco_version == 2
+            and self.queue_size is not None
+            and self.batch_size is not None
+            and self.queue_size % self.batch_size
+        ):
             raise ConfigError(
                 f"--queue-size {self.queue_size} is not a multiple of the global --batch-size {self.batch_size}; "
                 f"try --queue-size {max(1, round(self.queue_size / self.batch_size)) * self.batch_size}"
@@ -223,8 +340,12 @@ class TrainConfig:
 
     def unresolved(self) -> list[str]:
         """Fields still left to a recipe (``None``)."""
-        return [f.name for f in dataclasses.fields(self) if getattr(self, f.name) is None
-                and f.name not in ("time_budget", "cache_dir", "knn_dir", "amp", "epochs", "knn_every")]
+        return [
+            f.name
+            for f in dataclasses.fields(self)
+            if getattr(self, f.name) is None
+            and f.name not in ("time_budget", "cache_dir", "knn_dir", "amp", "epochs", "knn_every")
+        ]
 
     # -- JSON -----------------------------------------------------------------------------------------------------
     def to_dict(self) -> dict:

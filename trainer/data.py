@@ -5,6 +5,7 @@ the augmentations then run on the whole batch on the training device (:mod:`trai
 of an epoch depends only on the seed and the epoch (``DistributedSampler``), so a run resumed part-way into an
 epoch skips exactly the batches it had done.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -57,21 +58,29 @@ class ResumableSampler(DistributedSampler):
         self.skip = 0
 
     def __iter__(self):
-        return iter(list(super().__iter__())[self.skip:])
+        return iter(list(super().__iter__())[self.skip :])
 
     def __len__(self) -> int:
         return super().__len__() - self.skip
 
 
-def training_loader(dataset: CachedBatchDataset, batch_size: int, workers: int, rank: int, world_size: int,
-                    seed: int, pin_memory: bool) -> DataLoader:
+def training_loader(
+    dataset: CachedBatchDataset, batch_size: int, workers: int, rank: int, world_size: int, seed: int, pin_memory: bool
+) -> DataLoader:
     """Shuffled batches of this rank's share of ``dataset``; ``batch_size`` is per process; the last incomplete
     batch is dropped (MoCo's queue needs equal batches). Call ``epoch_sampler(loader).set_epoch(e)`` each
     epoch, and set its ``skip`` to resume inside an epoch."""
     sampler = ResumableSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=True)
     batches = BatchSampler(sampler, batch_size, drop_last=True)
-    return DataLoader(dataset, sampler=batches, batch_size=None, num_workers=workers, pin_memory=pin_memory,
-                      persistent_workers=workers > 0, prefetch_factor=4 if workers > 0 else None)
+    return DataLoader(
+        dataset,
+        sampler=batches,
+        batch_size=None,
+        num_workers=workers,
+        pin_memory=pin_memory,
+        persistent_workers=workers > 0,
+        prefetch_factor=4 if workers > 0 else None,
+    )
 
 
 def epoch_sampler(loader: DataLoader) -> ResumableSampler:

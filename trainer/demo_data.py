@@ -8,6 +8,7 @@ shape. (Colours are muted on purpose: vivid random colours would let instance di
 colour alone, and a self-supervised model would learn colour instead of shape.) Written as an ordinary labeled folder
 (``root/<class>/<class>_00000.png``) that every ``moco`` command accepts.
 """
+
 from __future__ import annotations
 
 import math

@@ -1,5 +1,6 @@
 """Where training runs: the torch device of this process (its GPU under torchrun, else the CPU), and whether
 it trains in bfloat16."""
+
 from __future__ import annotations
 
 from pathlib import Path

@@ -13,6 +13,7 @@ Launch with torchrun (it sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_
     # two CPU processes (gloo), e.g. for tests
     torchrun --nproc_per_node=2 -m moco_retrieval train DATA --out RUN --device cpu
 """
+
 from __future__ import annotations
 
 import datetime

@@ -10,6 +10,7 @@ a user can evaluate exactly the model they will serve. This module never imports
 Features are computed once per folder and kept in memory; the linear probe then trains on those cached
 features (frozen backbone, eval-mode BN, no augmentation) for as many epochs as it likes.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -60,8 +61,9 @@ def load_labeled_pair(train_dir: str | Path, test_dir: str | Path) -> tuple[Labe
     for role, folder in (("--train", train_dir), ("--test", test_dir)):
         images = scan_image_folder(folder)
         if len(images.classes) < 2 or any(label is None for label in images.labels):
-            raise DataError(f"{role} folder {folder} needs its images in at least two class subfolders "
-                            f"(<folder>/<class>/<image>)")
+            raise DataError(
+                f"{role} folder {folder} needs its images in at least two class subfolders (<folder>/<class>/<image>)"
+            )
         scanned[role] = images
     classes = sorted(set(scanned["--train"].classes) | set(scanned["--test"].classes))
     index = {name: i for i, name in enumerate(classes)}
@@ -104,8 +106,15 @@ class CheckpointEmbedder:
 
     kind = "checkpoint"
 
-    def __init__(self, path: str | Path, device: str = "auto", batch_size: int = 256, workers: int = 0,
-                 arch: str | None = None, image_size: int | None = None):
+    def __init__(
+        self,
+        path: str | Path,
+        device: str = "auto",
+        batch_size: int = 256,
+        workers: int = 0,
+        arch: str | None = None,
+        image_size: int | None = None,
+    ):
         # the export's loader: the same checks and the same backbone as `moco export` (heavy imports, so lazy)
         from moco_retrieval.trainer.device import resolve_device
         from moco_retrieval.trainer.export import embedding_dim
@@ -124,9 +133,17 @@ class CheckpointEmbedder:
     def describe(self) -> dict:
         """What was evaluated, for the results JSON."""
         src = self.source
-        doc = {"model_kind": self.kind, "checkpoint": str(self.path), "arch": src.arch,
-               "moco_version": src.moco_version, "epoch": self.epoch, "run_id": src.run_id,
-               "image_size": self.image_size, "embedding_dim": self.embedding_dim, "resize": RESIZE_POLICY}
+        doc = {
+            "model_kind": self.kind,
+            "checkpoint": str(self.path),
+            "arch": src.arch,
+            "moco_version": src.moco_version,
+            "epoch": self.epoch,
+            "run_id": src.run_id,
+            "image_size": self.image_size,
+            "embedding_dim": self.embedding_dim,
+            "resize": RESIZE_POLICY,
+        }
         if src.layout != "moco-retrieval":
             doc.update(model_kind="weights", layout=src.layout, sha256=src.sha256)
         return doc
@@ -134,8 +151,9 @@ class CheckpointEmbedder:
     @torch.no_grad()
     def embed_images(self, paths: list[str]) -> np.ndarray:
         """L2-normalised backbone features of image files: ``[N, D]`` float32, in ``paths`` order."""
-        loader = DataLoader(_Images(paths, eval_transform(self.image_size)), batch_size=self.batch_size,
-                            num_workers=self.workers)
+        loader = DataLoader(
+            _Images(paths, eval_transform(self.image_size)), batch_size=self.batch_size, num_workers=self.workers
+        )
         feats = [F.normalize(self.backbone(x.to(self.device)).float(), dim=1).cpu() for x in loader]
         return torch.cat(feats).numpy() if feats else np.zeros((0, self.embedding_dim), dtype=np.float32)
 
@@ -145,19 +163,24 @@ def describe_embedder(embedder) -> dict:
     if hasattr(embedder, "describe"):
         return embedder.describe()
     meta = getattr(embedder, "metadata", {})
-    return {"model_kind": "onnx" if str(getattr(embedder, "path", "")).endswith(".onnx") else type(embedder).__name__,
-            "path": str(getattr(embedder, "path", "")), "sha256": getattr(embedder, "sha256", None),
-            **{k: meta[k] for k in ("arch", "moco_version", "run_id", "resize") if k in meta},
-            "image_size": int(embedder.image_size), "embedding_dim": int(embedder.embedding_dim)}
+    return {
+        "model_kind": "onnx" if str(getattr(embedder, "path", "")).endswith(".onnx") else type(embedder).__name__,
+        "path": str(getattr(embedder, "path", "")),
+        "sha256": getattr(embedder, "sha256", None),
+        **{k: meta[k] for k in ("arch", "moco_version", "run_id", "resize") if k in meta},
+        "image_size": int(embedder.image_size),
+        "embedding_dim": int(embedder.embedding_dim),
+    }
 
 
 def embed(embedder, images: LabeledImages, chunk: int = 512) -> np.ndarray:
     """Features of every image of ``images``, ``chunk`` files at a time: ``[N, D]`` float32, checked for shape."""
     parts = []
-    with tqdm(total=len(images.paths), desc=f"features {images.folder.name}", unit="img", leave=False,
-              dynamic_ncols=True) as bar:
+    with tqdm(
+        total=len(images.paths), desc=f"features {images.folder.name}", unit="img", leave=False, dynamic_ncols=True
+    ) as bar:
         for start in range(0, len(images.paths), chunk):
-            paths = images.paths[start:start + chunk]
+            paths = images.paths[start : start + chunk]
             parts.append(np.asarray(embedder.embed_images(paths), dtype=np.float32))
             bar.update(len(paths))
     x = np.concatenate(parts)
@@ -168,9 +191,16 @@ def embed(embedder, images: LabeledImages, chunk: int = 512) -> np.ndarray:
 
 
 # ---- protocols -------------------------------------------------------------------------------------------
-def knn_top1(xb: np.ndarray, yb: np.ndarray, xq: np.ndarray, yq: np.ndarray, num_classes: int,
-             ks: tuple[int, ...] = EVAL_KS, temperature: float = KNN_TEMPERATURE,
-             leave_one_out: bool = False) -> list[dict]:
+def knn_top1(
+    xb: np.ndarray,
+    yb: np.ndarray,
+    xq: np.ndarray,
+    yq: np.ndarray,
+    num_classes: int,
+    ks: tuple[int, ...] = EVAL_KS,
+    temperature: float = KNN_TEMPERATURE,
+    leave_one_out: bool = False,
+) -> list[dict]:
     """Weighted k-NN top-1 accuracy (cosine similarity, votes ``exp(s / T)``), one row per k.
 
     Args:
@@ -208,8 +238,14 @@ class LinearProbeConfig:
     seed: int = 0  # initialisation and shuffling
 
 
-def linear_probe(xb: np.ndarray, yb: np.ndarray, xq: np.ndarray, yq: np.ndarray, num_classes: int,
-                 cfg: LinearProbeConfig = LinearProbeConfig()) -> dict:
+def linear_probe(
+    xb: np.ndarray,
+    yb: np.ndarray,
+    xq: np.ndarray,
+    yq: np.ndarray,
+    num_classes: int,
+    cfg: LinearProbeConfig = LinearProbeConfig(),
+) -> dict:
     """Train a linear classifier on frozen features, return its top-1 accuracy on the test features.
 
     The features are standardised with the training set's mean and standard deviation (BN without affine
@@ -240,7 +276,7 @@ def linear_probe(xb: np.ndarray, yb: np.ndarray, xq: np.ndarray, yq: np.ndarray,
     for _ in tqdm(range(cfg.epochs), desc="linear probe", leave=False, dynamic_ncols=True):
         order = torch.randperm(n, generator=gen)
         for start in range(0, n, cfg.batch_size):
-            idx = order[start:start + cfg.batch_size]
+            idx = order[start : start + cfg.batch_size]
             loss = F.cross_entropy(classifier(x[idx]), y[idx])
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -253,8 +289,15 @@ def linear_probe(xb: np.ndarray, yb: np.ndarray, xq: np.ndarray, yq: np.ndarray,
 
 
 # ---- end to end ------------------------------------------------------------------------------------------
-def evaluate(protocol: str, embedder, train_dir: str | Path, test_dir: str | Path, ks: tuple[int, ...] = EVAL_KS,
-             temperature: float = KNN_TEMPERATURE, probe: LinearProbeConfig | None = None) -> dict:
+def evaluate(
+    protocol: str,
+    embedder,
+    train_dir: str | Path,
+    test_dir: str | Path,
+    ks: tuple[int, ...] = EVAL_KS,
+    temperature: float = KNN_TEMPERATURE,
+    probe: LinearProbeConfig | None = None,
+) -> dict:
     """Run ``protocol`` (``knn`` or ``linear``) on ``embedder`` and return the results document (see
     :func:`write_results`)."""
     if protocol not in ("knn", "linear"):
@@ -265,20 +308,32 @@ def evaluate(protocol: str, embedder, train_dir: str | Path, test_dir: str | Pat
     xq = xb if same else embed(embedder, test)
     if protocol == "knn":
         if same:
-            LOG.warning("--train and --test are the same folder: k-NN is measured leave-one-out (each image voted "
-                        "on by the others)")
+            LOG.warning(
+                "--train and --test are the same folder: k-NN is measured leave-one-out (each image voted "
+                "on by the others)"
+            )
         results = knn_top1(xb, train.labels, xq, test.labels, len(classes), ks, temperature, leave_one_out=same)
     else:
         if same:
-            LOG.warning("--train and --test are the same folder: the linear probe's figure is its training "
-                        "accuracy, not a test accuracy; pass a held-out --test folder")
+            LOG.warning(
+                "--train and --test are the same folder: the linear probe's figure is its training "
+                "accuracy, not a test accuracy; pass a held-out --test folder"
+            )
         results = [linear_probe(xb, train.labels, xq, test.labels, len(classes), probe or LinearProbeConfig())]
     return {
-        "format": EVAL_FORMAT, "format_version": EVAL_VERSION, "protocol": protocol,
+        "format": EVAL_FORMAT,
+        "format_version": EVAL_VERSION,
+        "protocol": protocol,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "model": describe_embedder(embedder), "train_dir": str(train.folder), "test_dir": str(test.folder),
-        "train_images": len(train.paths), "test_images": len(test.paths), "classes": classes, "results": results,
-        "same_folder": same, "leave_one_out": same and protocol == "knn",
+        "model": describe_embedder(embedder),
+        "train_dir": str(train.folder),
+        "test_dir": str(test.folder),
+        "train_images": len(train.paths),
+        "test_images": len(test.paths),
+        "classes": classes,
+        "results": results,
+        "same_folder": same,
+        "leave_one_out": same and protocol == "knn",
     }
 
 

@@ -13,6 +13,7 @@ in the output folder and renamed only after the check passes, so a failed export
 We use torch's TorchScript-based exporter (``dynamo=False``): it needs no extra dependency, traces ResNets
 and timm ViTs alike with a dynamic batch axis, and is what timm's own ``onnx_export`` uses.
 """
+
 from __future__ import annotations
 
 import copy
@@ -22,6 +23,7 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -48,6 +50,9 @@ from moco_retrieval.contracts.errors import (
     OutputError,
 )
 from moco_retrieval.contracts.images import check_image, decode_image, iter_image_files
+
+if TYPE_CHECKING:
+    from moco_retrieval.trainer.config import TrainConfig
 
 LOG = logging.getLogger(__name__)
 
@@ -80,9 +85,11 @@ class ParityCheck:
 
     def describe(self, tolerance: ParityTolerance) -> str:
         limit = f"<= {tolerance.max_abs:g}" if tolerance.max_abs is not None else "not checked"
-        return (f"batch {self.batch_size}: max |onnx - torch| {self.max_abs:.2e} ({limit}), "
-                f"min cosine {self.min_cosine:.6f} (>= {tolerance.min_cosine:g}) "
-                f"{'ok' if self.passed else 'MISMATCH'}")
+        return (
+            f"batch {self.batch_size}: max |onnx - torch| {self.max_abs:.2e} ({limit}), "
+            f"min cosine {self.min_cosine:.6f} (>= {tolerance.min_cosine:g}) "
+            f"{'ok' if self.passed else 'MISMATCH'}"
+        )
 
 
 @dataclass
@@ -152,27 +159,34 @@ def load_backbone(checkpoint: str | Path) -> tuple[nn.Module, "TrainConfig", dic
     from moco_retrieval.trainer.variants import build_model
 
     if Path(checkpoint).suffix.lower() == ".onnx":
-        raise ArtifactError(f"{checkpoint} is an ONNX file, not a checkpoint; pass the run directory or a "
-                            "checkpoint_*.pt from `moco train`")
+        raise ArtifactError(
+            f"{checkpoint} is an ONNX file, not a checkpoint; pass the run directory or a "
+            "checkpoint_*.pt from `moco train`"
+        )
     ckpt = load_checkpoint(checkpoint)
     where = ckpt.get("run_id") or str(checkpoint)
     if not isinstance(ckpt.get("config"), dict) or not isinstance(ckpt.get("model"), dict):
-        raise ArtifactError(f"checkpoint {checkpoint} has no model configuration or weights; export a checkpoint "
-                            "written by `moco train`")
+        raise ArtifactError(
+            f"checkpoint {checkpoint} has no model configuration or weights; export a checkpoint "
+            "written by `moco train`"
+        )
     try:
         cfg = TrainConfig.from_dict(ckpt["config"])
         model = build_model(cfg, bn_splits=1)
     except ConfigError as exc:
-        raise ArtifactError(f"cannot rebuild the model of checkpoint {checkpoint} ({exc}); it was written by a "
-                            "different moco-retrieval version") from exc
+        raise ArtifactError(
+            f"cannot rebuild the model of checkpoint {checkpoint} ({exc}); it was written by a "
+            "different moco-retrieval version"
+        ) from exc
     try:
         model.load_state_dict(_strip_wrappers(ckpt["model"]))
     except RuntimeError as exc:
         first = str(exc).splitlines()[0]
         raise ArtifactError(f"weights of checkpoint {checkpoint} do not fit its configuration ({first})") from exc
     backbone = model.backbone.float().eval()
-    LOG.info("loaded %s: MoCo v%d %s, epoch %s, run %s", checkpoint, cfg.moco_version, cfg.arch,
-             ckpt.get("epoch"), where)
+    LOG.info(
+        "loaded %s: MoCo v%d %s, epoch %s, run %s", checkpoint, cfg.moco_version, cfg.arch, ckpt.get("epoch"), where
+    )
     return backbone, cfg, ckpt
 
 
@@ -194,8 +208,9 @@ def _first_images(root: Path, count: int) -> list[Path]:
     return found
 
 
-def verification_images(data_dir: str | None, image_size: int, count: int = max(VERIFY_BATCH_SIZES)
-                        ) -> tuple[np.ndarray, str]:
+def verification_images(
+    data_dir: str | None, image_size: int, count: int = max(VERIFY_BATCH_SIZES)
+) -> tuple[np.ndarray, str]:
     """``count`` images as the encoder's input, uint8 ``[count, image_size, image_size, 3]``, and their source.
 
     Real images from ``data_dir`` through torchvision's evaluation resize and center crop when at least
@@ -240,8 +255,7 @@ def compare(onnx_out: np.ndarray, torch_out: np.ndarray, tolerance: ParityTolera
     return ParityCheck(batch_size=a.shape[0], max_abs=max_abs, min_cosine=min_cosine, passed=bool(ok))
 
 
-def verify_onnx(path: Path, backbone: nn.Module, images: np.ndarray, tolerance: ParityTolerance
-                ) -> list[ParityCheck]:
+def verify_onnx(path: Path, backbone: nn.Module, images: np.ndarray, tolerance: ParityTolerance) -> list[ParityCheck]:
     """Run the file on ONNX Runtime (CPU) at batch sizes 1 and ``len(images)`` against ``backbone`` in PyTorch.
 
     Args:
@@ -266,8 +280,9 @@ def verify_onnx(path: Path, backbone: nn.Module, images: np.ndarray, tolerance: 
     for n in sorted({1, len(images)}):
         (out,) = session.run([OUTPUT_NAME], {INPUT_NAME: images[:n]})
         if out.dtype != np.float32 or out.shape != reference[:n].shape:
-            raise ExportError(f"exported graph returns {out.dtype} {list(out.shape)}, expected float32 "
-                              f"{list(reference[:n].shape)}")
+            raise ExportError(
+                f"exported graph returns {out.dtype} {list(out.shape)}, expected float32 {list(reference[:n].shape)}"
+            )
         checks.append(compare(out, reference[:n], tolerance))
     return checks
 
@@ -287,8 +302,18 @@ def _check_output(out: Path) -> None:
         tempfile.NamedTemporaryFile(dir=out.parent, prefix=f".{out.name}.probe.").close()  # deleted on close
 
 
-def _metadata(arch: str, moco_version: int, run_id: str, epoch: int, step: int, image_size: int, dim: int,
-              fp16: bool, opset: int, init: dict | None = None) -> dict[str, str]:
+def _metadata(
+    arch: str,
+    moco_version: int,
+    run_id: str,
+    epoch: int,
+    step: int,
+    image_size: int,
+    dim: int,
+    fp16: bool,
+    opset: int,
+    init: dict | None = None,
+) -> dict[str, str]:
     """The encoder file's ``metadata_props`` (:mod:`contracts.encoder_format`); ``init``: the source of a
     ``moco export --init`` (``init_source``, ``init_sha256``, ``init_layout``)."""
     values = {
@@ -334,8 +359,14 @@ def build_onnx(backbone: nn.Module, image_size: int, metadata: dict[str, str], f
         with warnings.catch_warnings(), torch.no_grad():
             warnings.simplefilter("ignore")
             torch.onnx.export(
-                graph, (example,), buffer, dynamo=False, input_names=[INPUT_NAME], output_names=[OUTPUT_NAME],
-                dynamic_axes={INPUT_NAME: {0: "batch"}, OUTPUT_NAME: {0: "batch"}}, opset_version=opset,
+                graph,
+                (example,),
+                buffer,
+                dynamo=False,
+                input_names=[INPUT_NAME],
+                output_names=[OUTPUT_NAME],
+                dynamic_axes={INPUT_NAME: {0: "batch"}, OUTPUT_NAME: {0: "batch"}},
+                opset_version=opset,
                 do_constant_folding=True,
             )
         model = onnx.load_from_string(buffer.getvalue())
@@ -348,8 +379,10 @@ def build_onnx(backbone: nn.Module, image_size: int, metadata: dict[str, str], f
         model.doc_string = f"{model_label(metadata)} encoder: {metadata['input']} -> {metadata['output']}"
         onnx.checker.check_model(model)
     except Exception as exc:  # the exporter raises many types (RuntimeError, OnnxExporterError, checker errors)
-        raise ExportError(f"ONNX export of {metadata['arch']} failed at opset {opset}: "
-                          f"{type(exc).__name__}: {exc}".splitlines()[0] + "; try another --opset") from exc
+        raise ExportError(
+            f"ONNX export of {metadata['arch']} failed at opset {opset}: {type(exc).__name__}: {exc}".splitlines()[0]
+            + "; try another --opset"
+        ) from exc
     return model
 
 
@@ -385,8 +418,17 @@ def export_encoder(
     _check_output(out)
     backbone, cfg, ckpt = load_backbone(checkpoint)
     dim = embedding_dim(backbone, cfg.image_size)
-    metadata = _metadata(cfg.arch, cfg.moco_version, ckpt.get("run_id") or cfg.run_id or "", int(ckpt.get("epoch", 0)),
-                         int(ckpt.get("step", 0)), cfg.image_size, dim, fp16, opset)
+    metadata = _metadata(
+        cfg.arch,
+        cfg.moco_version,
+        ckpt.get("run_id") or cfg.run_id or "",
+        int(ckpt.get("epoch", 0)),
+        int(ckpt.get("step", 0)),
+        cfg.image_size,
+        dim,
+        fp16,
+        opset,
+    )
     return _publish(backbone, cfg.image_size, metadata, out, fp16, opset, verify, tolerance, cfg.data_dir, tic)
 
 
@@ -424,8 +466,18 @@ def export_pretrained(
     built = backbone_from_source(source, arch, image_size)
     pre = built.pretrained
     dim = embedding_dim(built.backbone, built.image_size)
-    metadata = _metadata(pre.arch, pre.moco_version, pre.run_id, pre.epoch, pre.step, built.image_size, dim, fp16,
-                         opset, init={"init_source": pre.name, "init_sha256": pre.sha256, "init_layout": pre.layout})
+    metadata = _metadata(
+        pre.arch,
+        pre.moco_version,
+        pre.run_id,
+        pre.epoch,
+        pre.step,
+        built.image_size,
+        dim,
+        fp16,
+        opset,
+        init={"init_source": pre.name, "init_sha256": pre.sha256, "init_layout": pre.layout},
+    )
     return _publish(built.backbone, built.image_size, metadata, out, fp16, opset, verify, tolerance, data_dir, tic)
 
 
@@ -436,12 +488,27 @@ def _check_opset(opset: int | None) -> int:
     return opset
 
 
-def _publish(backbone: nn.Module, image_size: int, metadata: dict[str, str], out: Path, fp16: bool, opset: int,
-             verify: bool, tolerance: ParityTolerance | None, data_dir: str | None, tic: float) -> ExportResult:
+def _publish(
+    backbone: nn.Module,
+    image_size: int,
+    metadata: dict[str, str],
+    out: Path,
+    fp16: bool,
+    opset: int,
+    verify: bool,
+    tolerance: ParityTolerance | None,
+    data_dir: str | None,
+    tic: float,
+) -> ExportResult:
     """Trace, check against PyTorch and publish ``out`` atomically (nothing is left there when a check fails)."""
     tolerance = tolerance or (FP16_TOLERANCE if fp16 else FP32_TOLERANCE)
-    LOG.info("exporting %s (%s-d) to ONNX opset %d, %s", metadata["arch"], metadata["embedding_dim"], opset,
-             metadata["precision"])
+    LOG.info(
+        "exporting %s (%s-d) to ONNX opset %d, %s",
+        metadata["arch"],
+        metadata["embedding_dim"],
+        opset,
+        metadata["precision"],
+    )
     model = build_onnx(backbone, image_size, metadata, fp16, opset)
 
     import onnx

@@ -44,6 +44,7 @@ a damaged block, or of the blocks a truncation cut, are dropped from the index a
 the same update (one warning line); a truncated file is first extended back to its length with zeros, so no
 row number is ever reused and a reader of the old index reads zeros rather than past the end of its map.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -148,8 +149,9 @@ def _hold_shared(path: Path) -> int | None:
     except FileNotFoundError:
         return None
     except OSError as exc:
-        raise DataError(f"cannot read the image cache {path} ({exc.strerror or exc}); set --cache-dir to a "
-                        "readable folder") from exc
+        raise DataError(
+            f"cannot read the image cache {path} ({exc.strerror or exc}); set --cache-dir to a readable folder"
+        ) from exc
     # never waits: the only exclusive flock on a rows file is the non-blocking probe of _delete_unheld
     fcntl.flock(fd, fcntl.LOCK_SH)
     return fd
@@ -214,9 +216,15 @@ class ImageCache:
         sample_blocks: blocks verified at each update (None: ``SAMPLE_BLOCKS``).
     """
 
-    def __init__(self, root: str | os.PathLike, side: int, cache_root: str | os.PathLike | None = None,
-                 compact_min_rows: int | None = None, block_bytes: int | None = None,
-                 sample_blocks: int | None = None):
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        side: int,
+        cache_root: str | os.PathLike | None = None,
+        compact_min_rows: int | None = None,
+        block_bytes: int | None = None,
+        sample_blocks: int | None = None,
+    ):
         self.root = Path(root)
         self.side = side
         self.folder = cache_dir_for(root, side, cache_root)
@@ -234,17 +242,29 @@ class ImageCache:
         except (OSError, ValueError) as exc:
             LOG.warning("image cache index %s is unreadable (%s); rebuilding the cache", self.folder, exc)
             index = None
-        if (not isinstance(index, dict) or index.get("format") != CACHE_FORMAT
-                or index.get("format_version") != CACHE_VERSION or index.get("side") != self.side
-                or not (self.folder / str(index.get("pixels"))).is_file()):
+        if (
+            not isinstance(index, dict)
+            or index.get("format") != CACHE_FORMAT
+            or index.get("format_version") != CACHE_VERSION
+            or index.get("side") != self.side
+            or not (self.folder / str(index.get("pixels"))).is_file()
+        ):
             # a new rows file, never an old one: a reader of the old index may still hold and map it
             numbers = [_rows_file_number(p.name) for p in self.folder.glob("pixels-*.u8")]
-            return {"format": CACHE_FORMAT, "format_version": CACHE_VERSION, "side": self.side,
-                    "pixels": f"pixels-{max(numbers, default=-1) + 1}.u8", "rows": 0, "entries": {}, "failed": {}}
+            return {
+                "format": CACHE_FORMAT,
+                "format_version": CACHE_VERSION,
+                "side": self.side,
+                "pixels": f"pixels-{max(numbers, default=-1) + 1}.u8",
+                "rows": 0,
+                "entries": {},
+                "failed": {},
+            }
         return index
 
-    def update(self, files: list[FoundFile], workers: int = 0, progress: bool = True,
-               whole_folder: bool = False) -> tuple[CachedImages, dict]:
+    def update(
+        self, files: list[FoundFile], workers: int = 0, progress: bool = True, whole_folder: bool = False
+    ) -> tuple[CachedImages, dict]:
         """Decode what is new or changed among ``files`` and return the cached view of the readable ones.
 
         Args:
@@ -295,13 +315,26 @@ class ImageCache:
         readable = [f for f in files if f.path in entries]
         rows = np.array([entries[f.path][0] for f in readable], dtype=np.int64)
         sizes = np.array([entries[f.path][3:5] for f in readable], dtype=np.int64).reshape(-1, 2)
-        cached = CachedImages(self.folder, self.folder / index["pixels"], self.side, rows, sizes,
-                              decoded=len(todo), reused=len(files) - len(todo))
+        cached = CachedImages(
+            self.folder,
+            self.folder / index["pixels"],
+            self.side,
+            rows,
+            sizes,
+            decoded=len(todo),
+            reused=len(files) - len(todo),
+        )
         if hold is not None:  # released when the view is closed or garbage-collected
             cached._hold = weakref.finalize(cached, os.close, hold)
         unreadable = [f for f in files if f.path in failed]
-        LOG.info("image cache %s: %d images reused, %d decoded in %.1f s%s", self.folder, cached.reused,
-                 cached.decoded, time.perf_counter() - tic, f"; {len(unreadable)} unreadable" if unreadable else "")
+        LOG.info(
+            "image cache %s: %d images reused, %d decoded in %.1f s%s",
+            self.folder,
+            cached.reused,
+            cached.decoded,
+            time.perf_counter() - tic,
+            f"; {len(unreadable)} unreadable" if unreadable else "",
+        )
         return cached, {f.path: failed[f.path][2] for f in unreadable}
 
     def _check_rows(self, index: dict) -> tuple[RowChecksums, bool]:
@@ -334,8 +367,11 @@ class ImageCache:
             bad = sums.damaged(fd, self.row_bytes, sample)
             if bad:  # one damaged block: check them all
                 bad = sums.damaged(fd, self.row_bytes, [b for b in range(len(sums.crc32)) if b not in lost])
-                why.append(f"1 block of rows fails its checksum" if len(bad) == 1 else
-                           f"{len(bad)} blocks of rows fail their checksums")
+                why.append(
+                    "1 block of rows fails its checksum"
+                    if len(bad) == 1
+                    else f"{len(bad)} blocks of rows fail their checksums"
+                )
                 sums.recompute(fd, self.row_bytes, bad)  # their rows are dead from now on
                 lost.update(bad)
         if not lost:
@@ -343,25 +379,38 @@ class ImageCache:
         damaged = [p for p, entry in index["entries"].items() if sums.block_of(entry[0]) in lost]
         for p in damaged:
             del index["entries"][p]
-        LOG.warning("image cache %s is damaged (%s): decoding its %d images there again", self.folder,
-                    "; ".join(why), len(damaged))
+        LOG.warning(
+            "image cache %s is damaged (%s): decoding its %d images there again",
+            self.folder,
+            "; ".join(why),
+            len(damaged),
+        )
         return sums, True
 
-    def _decode_into(self, index: dict, todo: list[FoundFile], sums: RowChecksums, workers: int,
-                     progress: bool) -> None:
+    def _decode_into(
+        self, index: dict, todo: list[FoundFile], sums: RowChecksums, workers: int, progress: bool
+    ) -> None:
         from tqdm import tqdm
 
         row_bytes = self.row_bytes
         assert sums.rows == index["rows"], "checksums cover every row before rows are appended"
         tasks = [(str(self.root / f.path), self.side) for f in todo]
-        bar = tqdm(total=len(todo), unit="img", desc=f"caching images at {self.side} px", disable=not progress,
-                   dynamic_ncols=True, leave=False)
+        bar = tqdm(
+            total=len(todo),
+            unit="img",
+            desc=f"caching images at {self.side} px",
+            disable=not progress,
+            dynamic_ncols=True,
+            leave=False,
+        )
         pool = _context().Pool(workers) if workers > 0 and len(todo) > 64 else None
         results = pool.imap(_decode_task, tasks, chunksize=16) if pool else map(_decode_task, tasks)
         path = self.folder / index["pixels"]
         try:
-            with output_errors(path, "set --cache-dir to a writable folder"), open(path, "r+b" if path.exists()
-                                                                                   else "w+b") as out:
+            with (
+                output_errors(path, "set --cache-dir to a writable folder"),
+                open(path, "r+b" if path.exists() else "w+b") as out,
+            ):
                 out.seek(index["rows"] * row_bytes)
                 row = index["rows"]
                 for f, (pixels, width, height, reason) in zip(todo, results):
@@ -404,8 +453,7 @@ class ImageCache:
         for path, entry in sorted(index["entries"].items(), key=lambda kv: kv[1][0]):
             by_block.setdefault(sums.block_of(entry[0]), []).append((path, entry))
         lost: set[str] = set()
-        with output_errors(new, "set --cache-dir to a writable folder"), open(old, "rb") as src, \
-                open(new, "wb") as out:
+        with output_errors(new, "set --cache-dir to a writable folder"), open(old, "rb") as src, open(new, "wb") as out:
             for block, items in by_block.items():
                 start, stop = sums.span(block)
                 data = os.pread(src.fileno(), (stop - start) * row_bytes, start * row_bytes)
@@ -413,7 +461,7 @@ class ImageCache:
                     lost.update(path for path, _ in items)
                     continue
                 for _, entry in items:
-                    row = data[(entry[0] - start) * row_bytes:(entry[0] - start + 1) * row_bytes]
+                    row = data[(entry[0] - start) * row_bytes : (entry[0] - start + 1) * row_bytes]
                     out.write(row)
                     entry[0] = fresh.rows
                     fresh.add(row)
@@ -422,8 +470,12 @@ class ImageCache:
         for path in lost:
             del index["entries"][path]
         if lost:
-            LOG.warning("image cache %s is damaged (rows failing their checksum while compacting): decoding its "
-                        "%d images there again", self.folder, len(lost))
+            LOG.warning(
+                "image cache %s is damaged (rows failing their checksum while compacting): decoding its "
+                "%d images there again",
+                self.folder,
+                len(lost),
+            )
         LOG.info("compacted the image cache %s: %d live of %d rows", self.folder, fresh.rows, index["rows"])
         index["pixels"], index["rows"] = new.name, fresh.rows
         return fresh, lost

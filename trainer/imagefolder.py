@@ -4,6 +4,7 @@ The walk and decode rules are :mod:`contracts.images` (the same as ``moco index`
 checks training needs up front: every file is verified before the run starts, so an unreadable one is listed
 in the run directory's ``skipped_files.txt`` instead of failing an epoch.
 """
+
 from __future__ import annotations
 
 import logging

@@ -3,6 +3,7 @@
 Cosine similarity between L2-normalised features; each of the k nearest training samples votes for its
 class with weight ``exp(similarity / T)``.
 """
+
 from __future__ import annotations
 
 import torch
@@ -12,8 +13,14 @@ from moco_retrieval.contracts.knn import KNN_K, KNN_TEMPERATURE
 
 @torch.no_grad()
 def knn_predict(
-    train_features: torch.Tensor, train_labels: torch.Tensor, query_features: torch.Tensor, num_classes: int,
-    k: int = KNN_K, temperature: float = KNN_TEMPERATURE, exclude_self: bool = False, chunk: int = 1024,
+    train_features: torch.Tensor,
+    train_labels: torch.Tensor,
+    query_features: torch.Tensor,
+    num_classes: int,
+    k: int = KNN_K,
+    temperature: float = KNN_TEMPERATURE,
+    exclude_self: bool = False,
+    chunk: int = 1024,
 ) -> torch.Tensor:
     """Class scores of each query by a weighted vote of its k nearest training samples.
 
@@ -33,7 +40,7 @@ def knn_predict(
     k = min(k, n - 1 if exclude_self else n)
     scores = []
     for start in range(0, query_features.shape[0], chunk):
-        sims = query_features[start:start + chunk] @ train_features.T  # chunk x N
+        sims = query_features[start : start + chunk] @ train_features.T  # chunk x N
         if exclude_self:
             rows = torch.arange(sims.shape[0])
             sims[rows, rows + start] = -float("inf")
@@ -46,8 +53,12 @@ def knn_predict(
 
 
 def knn_accuracy(
-    train_features: torch.Tensor, train_labels: torch.Tensor, test_features: torch.Tensor | None = None,
-    test_labels: torch.Tensor | None = None, k: int = KNN_K, temperature: float = KNN_TEMPERATURE,
+    train_features: torch.Tensor,
+    train_labels: torch.Tensor,
+    test_features: torch.Tensor | None = None,
+    test_labels: torch.Tensor | None = None,
+    k: int = KNN_K,
+    temperature: float = KNN_TEMPERATURE,
 ) -> float:
     """Top-1 accuracy (0-1) of weighted k-NN; leave-one-out on the training set when no test set is given."""
     num_classes = int(train_labels.max()) + 1

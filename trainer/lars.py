@@ -5,6 +5,7 @@ For each parameter the update ``d = grad + weight_decay * p`` is multiplied by
 the learning rate. A parameter group with ``lars_exclude=True`` (biases and normalisation weights, as in
 MoCo v3 and BYOL) gets neither weight decay nor the trust ratio: it is plain SGD with momentum.
 """
+
 from __future__ import annotations
 
 import torch
@@ -21,10 +22,17 @@ class LARS(torch.optim.Optimizer):
         trust_coefficient: eta in ``eta * ||p|| / ||d||``.
     """
 
-    def __init__(self, params, lr: float = 0.0, weight_decay: float = 0.0, momentum: float = 0.9,
-                 trust_coefficient: float = 0.001):
-        defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, trust_coefficient=trust_coefficient,
-                        lars_exclude=False)
+    def __init__(
+        self,
+        params,
+        lr: float = 0.0,
+        weight_decay: float = 0.0,
+        momentum: float = 0.9,
+        trust_coefficient: float = 0.001,
+    ):
+        defaults = dict(
+            lr=lr, weight_decay=weight_decay, momentum=momentum, trust_coefficient=trust_coefficient, lars_exclude=False
+        )
         super().__init__(params, defaults)
 
     @torch.no_grad()
@@ -43,9 +51,11 @@ class LARS(torch.optim.Optimizer):
                 updates = torch._foreach_add(updates, params, alpha=group["weight_decay"])
                 param_norms = torch.stack(torch._foreach_norm(params))
                 update_norms = torch.stack(torch._foreach_norm(updates))
-                trust = torch.where((param_norms > 0) & (update_norms > 0),
-                                    group["trust_coefficient"] * param_norms / update_norms,
-                                    torch.ones_like(param_norms))
+                trust = torch.where(
+                    (param_norms > 0) & (update_norms > 0),
+                    group["trust_coefficient"] * param_norms / update_norms,
+                    torch.ones_like(param_norms),
+                )
                 torch._foreach_mul_(updates, list(trust.unbind()))
             mus = []
             for p in params:

@@ -8,6 +8,7 @@ References: He et al., "Momentum Contrast for Unsupervised Visual Representation
 Chen et al., "Improved Baselines with Momentum Contrastive Learning" (MoCo v2); Chen, Xie and He, "An
 Empirical Study of Training Self-Supervised Vision Transformers" (MoCo v3).
 """
+
 from __future__ import annotations
 
 import copy
@@ -121,8 +122,15 @@ class MoCo(nn.Module):
 class MoCoV2(MoCo):
     """MoCo v2: 2-layer MLP projector, a queue of K negative keys, shuffle-BN, InfoNCE with temperature."""
 
-    def __init__(self, backbone: nn.Module, feature_dim: int, dim: int = 128, mlp_hidden: int = 0,
-                 temperature: float = 0.2, queue_size: int = 65536):
+    def __init__(
+        self,
+        backbone: nn.Module,
+        feature_dim: int,
+        dim: int = 128,
+        mlp_hidden: int = 0,
+        temperature: float = 0.2,
+        queue_size: int = 65536,
+    ):
         super().__init__(backbone, feature_dim, dim, mlp_hidden, temperature)
         self.register_buffer("queue", F.normalize(torch.randn(dim, queue_size), dim=0))  # CxK
         self.register_buffer("queue_ptr", torch.zeros(1, dtype=torch.long))
@@ -139,7 +147,7 @@ class MoCoV2(MoCo):
         if queue_size % batch_size:  # TrainConfig validates this; keep the invariant explicit here
             raise ValueError(f"queue size {queue_size} must be a multiple of the global batch {batch_size}")
         ptr = int(self.queue_ptr)
-        self.queue[:, ptr:ptr + batch_size] = keys.T.to(self.queue.dtype)
+        self.queue[:, ptr : ptr + batch_size] = keys.T.to(self.queue.dtype)
         self.queue_ptr[0] = (ptr + batch_size) % queue_size  # wraps to 0 when the queue is full
 
     def forward(self, x1: torch.Tensor, x2: torch.Tensor, m: float) -> torch.Tensor:
@@ -208,8 +216,16 @@ class MoCoV3(MoCo):
         predictor_last_bn: the reference code ends the ViT predictor with an affine-free BN, not the ResNet's.
     """
 
-    def __init__(self, backbone: nn.Module, feature_dim: int, dim: int = 256, mlp_hidden: int = 4096,
-                 temperature: float = 1.0, projector_layers: int = 2, predictor_last_bn: bool = False):
+    def __init__(
+        self,
+        backbone: nn.Module,
+        feature_dim: int,
+        dim: int = 256,
+        mlp_hidden: int = 4096,
+        temperature: float = 1.0,
+        projector_layers: int = 2,
+        predictor_last_bn: bool = False,
+    ):
         self.projector_layers = projector_layers  # read by build_projector inside MoCo.__init__
         super().__init__(backbone, feature_dim, dim, mlp_hidden, temperature)
         self.predictor = build_mlp(2, dim, mlp_hidden or feature_dim, dim, last_bn=predictor_last_bn)

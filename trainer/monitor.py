@@ -8,6 +8,7 @@ evaluation crop (the export's resize policy: shorter side to the model size, cen
 cached copy and resized bilinearly, in batches. ``moco eval`` and serving decode the files themselves; the
 two agree up to resampling.
 """
+
 from __future__ import annotations
 
 import logging
@@ -57,7 +58,8 @@ def _labeled_split(folder: Path, image_size: int, max_images: int, cache_root, w
         keep = torch.linspace(0, len(files) - 1, max_images).round().long().unique().tolist()
         files = [files[i] for i in keep]
     cached, failed = ImageCache(folder, cache_side(image_size), cache_root).update(
-        files, workers, progress=False, whole_folder=whole_folder)
+        files, workers, progress=False, whole_folder=whole_folder
+    )
     readable = [f for f in files if f.path not in failed]
     return cached, [f.label for f in readable]
 
@@ -75,16 +77,30 @@ class KnnMonitor:
         workers: processes decoding images into the cache the first time.
     """
 
-    def __init__(self, folder: str | Path, image_size: int, k: int = KNN_K, temperature: float = KNN_TEMPERATURE,
-                 max_images: int = 5000, batch_size: int = 256, cache_root=None, workers: int = 0):
+    def __init__(
+        self,
+        folder: str | Path,
+        image_size: int,
+        k: int = KNN_K,
+        temperature: float = KNN_TEMPERATURE,
+        max_images: int = 5000,
+        batch_size: int = 256,
+        cache_root=None,
+        workers: int = 0,
+    ):
         folder = Path(folder)
         split = next((folder / name for name in ("val", "test") if (folder / name).is_dir()), None)
         roots = [folder / "train", split] if (folder / "train").is_dir() and split is not None else [folder]
         parts = [_labeled_split(root, image_size, max_images, cache_root, workers) for root in roots]
         classes = sorted({label for _, labels in parts for label in labels})
         index = {name: i for i, name in enumerate(classes)}
-        self.splits = [_Split(CachedBatchDataset(cached, [index[x] for x in labels]),
-                              torch.tensor([index[x] for x in labels], dtype=torch.int64)) for cached, labels in parts]
+        self.splits = [
+            _Split(
+                CachedBatchDataset(cached, [index[x] for x in labels]),
+                torch.tensor([index[x] for x in labels], dtype=torch.int64),
+            )
+            for cached, labels in parts
+        ]
         self.folder, self.image_size, self.k, self.temperature = folder, image_size, k, temperature
         self.batch_size = batch_size
 
@@ -115,5 +131,6 @@ class KnnMonitor:
             backbone.train(was_training)
         if len(xs) == 1:
             return knn_accuracy(xs[0], self.splits[0].labels, k=self.k, temperature=self.temperature)
-        return knn_accuracy(xs[0], self.splits[0].labels, xs[1], self.splits[1].labels, k=self.k,
-                            temperature=self.temperature)
+        return knn_accuracy(
+            xs[0], self.splits[0].labels, xs[1], self.splits[1].labels, k=self.k, temperature=self.temperature
+        )

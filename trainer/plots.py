@@ -1,4 +1,5 @@
 """The training plot: loss per step and k-NN accuracy per epoch, read back from ``metrics.jsonl``."""
+
 from __future__ import annotations
 
 import json

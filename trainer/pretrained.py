@@ -23,6 +23,7 @@ Both our encoders start from the backbone (the key encoder is a copy of the quer
 where the source has ones of the same shapes, and fresh otherwise. Every mismatch is one line naming what was
 expected and what was found, with the first differing keys.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -41,9 +42,13 @@ from moco_retrieval.trainer.config import RESNETS, VITS
 LOG = logging.getLogger(__name__)
 
 # (bottleneck blocks?, blocks per stage) -> torchvision name; only RESNETS are built here
-_RESNET_LAYOUTS = {(False, (2, 2, 2, 2)): "resnet18", (False, (3, 4, 6, 3)): "resnet34",
-                   (True, (3, 4, 6, 3)): "resnet50", (True, (3, 4, 23, 3)): "resnet101",
-                   (True, (3, 8, 36, 3)): "resnet152"}
+_RESNET_LAYOUTS = {
+    (False, (2, 2, 2, 2)): "resnet18",
+    (False, (3, 4, 6, 3)): "resnet34",
+    (True, (3, 4, 6, 3)): "resnet50",
+    (True, (3, 4, 23, 3)): "resnet101",
+    (True, (3, 8, 36, 3)): "resnet152",
+}
 _VIT_WIDTHS = {192: "vit_tiny", 384: "vit_small", 768: "vit_base"}  # depth 12 each (trainer.backbones.VIT_SHAPES)
 SHOWN_KEYS = 3  # differing keys named in a one-line error
 
@@ -114,16 +119,18 @@ def _read_file(path: Path):
         try:
             return load_file(str(path), device="cpu")
         except Exception as exc:
-            raise ArtifactError(f"cannot read {path} (truncated or not a safetensors file): "
-                                f"{type(exc).__name__}: {exc}".splitlines()[0]) from exc
+            raise ArtifactError(
+                f"cannot read {path} (truncated or not a safetensors file): {type(exc).__name__}: {exc}".splitlines()[0]
+            ) from exc
     hint = "pass a state dict or checkpoint saved with torch.save (tensors and plain values only)"
     try:
         return safe_load(path, hint)
     except ArtifactError:
         raise
     except Exception as exc:  # torch raises many types for a truncated or foreign file
-        raise ArtifactError(f"cannot read {path} (truncated or not a PyTorch weights file): "
-                            f"{type(exc).__name__}: {exc}".splitlines()[0]) from exc
+        raise ArtifactError(
+            f"cannot read {path} (truncated or not a PyTorch weights file): {type(exc).__name__}: {exc}".splitlines()[0]
+        ) from exc
 
 
 def _tensors(obj) -> dict | None:
@@ -146,7 +153,7 @@ def _strip(state: dict) -> dict:
 
 def _split(state: dict, prefix: str) -> dict:
     """The entries under ``prefix`` (``"fc."``), the prefix removed."""
-    return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+    return {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
 
 
 def _group(keys) -> dict:
@@ -181,8 +188,9 @@ def infer_arch(state: dict, where: str) -> tuple[str, dict]:
         stages = tuple(len({k.split(".")[1] for k in state if k.startswith(f"layer{i}.")}) for i in range(1, 5))
         found = _RESNET_LAYOUTS.get(("layer1.0.conv3.weight" in state, stages))
         if found is None:
-            raise ArtifactError(f"{where}: a ResNet with blocks {list(stages)} per stage, not one of "
-                                f"{', '.join(RESNETS)}")
+            raise ArtifactError(
+                f"{where}: a ResNet with blocks {list(stages)} per stage, not one of {', '.join(RESNETS)}"
+            )
         if found not in RESNETS:
             raise ArtifactError(f"{where} holds a {found}; moco-retrieval builds {', '.join(RESNETS)}")
         kernel = int(state["conv1.weight"].shape[-1])
@@ -192,17 +200,21 @@ def infer_arch(state: dict, where: str) -> tuple[str, dict]:
         depth = len({k.split(".")[1] for k in state if k.startswith("blocks.")})
         found = _VIT_WIDTHS.get(width)
         if found is None or depth != 12:
-            raise ArtifactError(f"{where}: a ViT of width {width} and depth {depth}, not one of "
-                                f"{', '.join(VITS)} (widths 192/384/768, depth 12)")
+            raise ArtifactError(
+                f"{where}: a ViT of width {width} and depth {depth}, not one of "
+                f"{', '.join(VITS)} (widths 192/384/768, depth 12)"
+            )
         patch = int(state["patch_embed.proj.weight"].shape[-1])
         tokens = int(state["pos_embed"].shape[1]) - 1
         grid = math.isqrt(tokens)
         if grid * grid != tokens:
-            raise ArtifactError(f"{where}: a position embedding of {tokens + 1} tokens is not a class "
-                                "token plus a square grid")
+            raise ArtifactError(
+                f"{where}: a position embedding of {tokens + 1} tokens is not a class token plus a square grid"
+            )
         return found, {"patch_size": patch, "grid": grid}
-    raise ArtifactError(f"{where}: cannot tell the architecture (neither a ResNet nor a ViT); "
-                        f"first keys: {_first(state)}")
+    raise ArtifactError(
+        f"{where}: cannot tell the architecture (neither a ResNet nor a ViT); first keys: {_first(state)}"
+    )
 
 
 def _own(obj: dict, path: Path, digest: str) -> Pretrained:
@@ -222,13 +234,24 @@ def _own(obj: dict, path: Path, digest: str) -> Pretrained:
         heads["predictor"] = _split(state, "predictor.")
     used = ("encoder_q.", "predictor.")
     grid = cfg.image_size // cfg.resolved_patch_size if cfg.arch in VITS else None
-    return Pretrained(path=path, sha256=digest, layout="moco-retrieval", arch=cfg.arch, backbone=backbone,
-                      heads=heads, head_version=cfg.moco_version,
-                      stem=cfg.resolved_stem if cfg.arch in RESNETS else None,
-                      patch_size=cfg.resolved_patch_size if cfg.arch in VITS else None, grid=grid,
-                      image_size=cfg.image_size, moco_version=cfg.moco_version, run_id=obj.get("run_id", ""),
-                      epoch=int(obj.get("epoch", 0)), step=int(obj.get("step", 0)),
-                      ignored=_group(k for k in state if not k.startswith(used)))
+    return Pretrained(
+        path=path,
+        sha256=digest,
+        layout="moco-retrieval",
+        arch=cfg.arch,
+        backbone=backbone,
+        heads=heads,
+        head_version=cfg.moco_version,
+        stem=cfg.resolved_stem if cfg.arch in RESNETS else None,
+        patch_size=cfg.resolved_patch_size if cfg.arch in VITS else None,
+        grid=grid,
+        image_size=cfg.image_size,
+        moco_version=cfg.moco_version,
+        run_id=obj.get("run_id", ""),
+        epoch=int(obj.get("epoch", 0)),
+        step=int(obj.get("step", 0)),
+        ignored=_group(k for k in state if not k.startswith(used)),
+    )
 
 
 def read_pretrained(source: str | Path) -> Pretrained:
@@ -254,8 +277,10 @@ def read_pretrained(source: str | Path) -> Pretrained:
             if state is not None:
                 break
     if state is None:
-        raise ArtifactError(f"{path} holds no state dict (a dict of tensors, or one under 'state_dict' / "
-                            "'model'); pass torchvision, timm, MoCo or moco-retrieval weights")
+        raise ArtifactError(
+            f"{path} holds no state dict (a dict of tensors, or one under 'state_dict' / "
+            "'model'); pass torchvision, timm, MoCo or moco-retrieval weights"
+        )
     state = _strip(state)
     heads: dict = {}
     head_version = None
@@ -286,10 +311,23 @@ def read_pretrained(source: str | Path) -> Pretrained:
         ignored = [k for k in state if k.startswith(classifier)]
     arch, facts = infer_arch(backbone, str(path))
     if arch == "vit_small" and layout == "state_dict":  # the weights cannot say how many heads split them
-        LOG.warning("%s: our vit_small has MoCo v3's 12 attention heads; timm's and DeiT's ViT-S have 6, and "
-                    "their weights load but compute other features", path)
-    return Pretrained(path=path, sha256=digest, layout=layout, arch=arch, backbone=backbone, heads=heads,
-                      head_version=head_version, moco_version=moco_version, ignored=_group(ignored), **facts)
+        LOG.warning(
+            "%s: our vit_small has MoCo v3's 12 attention heads; timm's and DeiT's ViT-S have 6, and "
+            "their weights load but compute other features",
+            path,
+        )
+    return Pretrained(
+        path=path,
+        sha256=digest,
+        layout=layout,
+        arch=arch,
+        backbone=backbone,
+        heads=heads,
+        head_version=head_version,
+        moco_version=moco_version,
+        ignored=_group(ignored),
+        **facts,
+    )
 
 
 # -- checking against what the user asked for --------------------------------------------------------------------
@@ -303,8 +341,11 @@ def differences(expected: dict, found: dict) -> list[str]:
     [64, 64, 1, 1])"]``. BN's ``num_batches_tracked`` may be missing (older files)."""
     missing = [f"missing {k}" for k in expected if k not in found and not k.endswith("num_batches_tracked")]
     unexpected = [f"unexpected {k}" for k in found if k not in expected]
-    shapes = [f"{k} {list(found[k])} (ours {list(expected[k])})" for k in expected
-              if k in found and tuple(found[k]) != tuple(expected[k])]
+    shapes = [
+        f"{k} {list(found[k])} (ours {list(expected[k])})"
+        for k in expected
+        if k in found and tuple(found[k]) != tuple(expected[k])
+    ]
     return missing + unexpected + shapes
 
 
@@ -328,9 +369,11 @@ def check_arch(pre: Pretrained, arch: str | None, flag: str = "--arch") -> str:
         raise ConfigError(f"unknown {flag} {arch!r}; choose one of {', '.join(RESNETS + VITS)}")
     ours = _shapes(_expected_backbone(arch, pre.stem, pre.native_image_size, pre.patch_size).state_dict())
     diff = differences(ours, _shapes(pre.backbone))
-    raise ConfigError(f"{flag} {arch} does not fit {pre.name}: expected {arch}, found {pre.arch} "
-                      f"({pre.layout} layout; first differences: {_first(diff)}); drop {flag} or pass {flag} "
-                      f"{pre.arch}")
+    raise ConfigError(
+        f"{flag} {arch} does not fit {pre.name}: expected {arch}, found {pre.arch} "
+        f"({pre.layout} layout; first differences: {_first(diff)}); drop {flag} or pass {flag} "
+        f"{pre.arch}"
+    )
 
 
 def fit_backbone(pre: Pretrained, backbone: nn.Module, image_size: int) -> tuple[dict, list[str]]:
@@ -349,21 +392,28 @@ def fit_backbone(pre: Pretrained, backbone: nn.Module, image_size: int) -> tuple
     if pre.arch in VITS:
         patch = int(ours["patch_embed.proj.weight"].shape[-1])
         if pre.patch_size != patch:
-            raise ConfigError(f"--patch-size {patch} does not fit {pre.name}: expected patch {patch}, found "
-                              f"{pre.patch_size} (patch_embed.proj.weight {list(state['patch_embed.proj.weight'].shape)})"
-                              f"; pass --patch-size {pre.patch_size}")
+            raise ConfigError(
+                f"--patch-size {patch} does not fit {pre.name}: expected patch {patch}, found "
+                f"{pre.patch_size} (patch_embed.proj.weight {list(state['patch_embed.proj.weight'].shape)})"
+                f"; pass --patch-size {pre.patch_size}"
+            )
         grid = math.isqrt(int(ours["pos_embed"].shape[1]) - 1)
         if pre.grid != grid and "pos_embed" in state:
             from timm.layers import resample_abs_pos_embed
 
-            state["pos_embed"] = resample_abs_pos_embed(state["pos_embed"].float(), [grid, grid],
-                                                        num_prefix_tokens=1).to(state["pos_embed"].dtype)
-            notes.append(f"position embedding interpolated from a {pre.grid}x{pre.grid} to a {grid}x{grid} grid "
-                         f"(image size {pre.grid * patch} -> {image_size} px at patch {patch})")
+            state["pos_embed"] = resample_abs_pos_embed(
+                state["pos_embed"].float(), [grid, grid], num_prefix_tokens=1
+            ).to(state["pos_embed"].dtype)
+            notes.append(
+                f"position embedding interpolated from a {pre.grid}x{pre.grid} to a {grid}x{grid} grid "
+                f"(image size {pre.grid * patch} -> {image_size} px at patch {patch})"
+            )
     diff = differences(_shapes(ours), _shapes(state))
     if diff:
-        raise ArtifactError(f"{pre.name} does not fit our {pre.arch}: expected {pre.arch}, found "
-                            f"{pre.arch}-like {pre.layout} weights that differ: {_first(diff)}")
+        raise ArtifactError(
+            f"{pre.name} does not fit our {pre.arch}: expected {pre.arch}, found "
+            f"{pre.arch}-like {pre.layout} weights that differ: {_first(diff)}"
+        )
     for key, value in ours.items():  # older files lack BN's counter
         state.setdefault(key, value)
     return state, notes
@@ -407,16 +457,31 @@ def load_into_model(pre: Pretrained, model: nn.Module, image_size: int) -> dict:
         module.load_state_dict({**module.state_dict(), **source})
         loaded.append(f"{names[part]} (MoCo v{pre.head_version})")
     model.encoder_k.load_state_dict(model.encoder_q.state_dict())
-    report = {"source": str(pre.path), "sha256": pre.sha256, "layout": pre.layout, "arch": pre.arch,
-              "loaded": loaded, "fresh": fresh, "ignored": ignored, "notes": notes}
+    report = {
+        "source": str(pre.path),
+        "sha256": pre.sha256,
+        "layout": pre.layout,
+        "arch": pre.arch,
+        "loaded": loaded,
+        "fresh": fresh,
+        "ignored": ignored,
+        "notes": notes,
+    }
     log_report(report)
     return report
 
 
 def log_report(report: dict) -> None:
-    LOG.info("--init %s (%s layout, %s, sha256 %s...): loaded %s; fresh %s; ignored %s", report["source"],
-             report["layout"], report["arch"], report["sha256"][:12], ", ".join(report["loaded"]),
-             ", ".join(report["fresh"]) or "nothing", ", ".join(report["ignored"]) or "nothing")
+    LOG.info(
+        "--init %s (%s layout, %s, sha256 %s...): loaded %s; fresh %s; ignored %s",
+        report["source"],
+        report["layout"],
+        report["arch"],
+        report["sha256"][:12],
+        ", ".join(report["loaded"]),
+        ", ".join(report["fresh"]) or "nothing",
+        ", ".join(report["ignored"]) or "nothing",
+    )
     for note in report["notes"]:
         LOG.info("--init: %s", note)
 
@@ -449,19 +514,24 @@ def configure(cfg, pre: Pretrained):
         cfg = set_derived(cfg, "arch", arch, why)
     if arch in VITS:
         if cfg.patch_size and cfg.patch_size != pre.patch_size:
-            raise ConfigError(f"--patch-size {cfg.patch_size} does not fit --init {pre.name}: expected patch "
-                              f"{cfg.patch_size}, found {pre.patch_size}; pass --patch-size {pre.patch_size}")
+            raise ConfigError(
+                f"--patch-size {cfg.patch_size} does not fit --init {pre.name}: expected patch "
+                f"{cfg.patch_size}, found {pre.patch_size}; pass --patch-size {pre.patch_size}"
+            )
         if not cfg.patch_size:
             cfg = set_derived(cfg, "patch_size", pre.patch_size, "the --init file's patch size")
         if cfg.image_size % pre.patch_size:
-            raise ConfigError(f"--image-size {cfg.image_size} is not a multiple of the --init file's patch size "
-                              f"{pre.patch_size}")
+            raise ConfigError(
+                f"--image-size {cfg.image_size} is not a multiple of the --init file's patch size {pre.patch_size}"
+            )
     else:
         if pre.stem not in ("imagenet", "small"):
             raise ArtifactError(f"--init {pre.name}: a {pre.stem} first convolution fits neither stem")
         if cfg.stem not in ("auto", pre.stem):
-            raise ConfigError(f"--stem {cfg.stem} does not fit --init {pre.name}: expected {cfg.stem}, found the "
-                              f"{pre.stem} stem (conv1.weight {list(pre.backbone['conv1.weight'].shape)})")
+            raise ConfigError(
+                f"--stem {cfg.stem} does not fit --init {pre.name}: expected {cfg.stem}, found the "
+                f"{pre.stem} stem (conv1.weight {list(pre.backbone['conv1.weight'].shape)})"
+            )
         if cfg.stem == "auto":
             cfg = set_derived(cfg, "stem", pre.stem, "the --init file's first layer")
     for name, value in head_shape(pre, cfg.moco_version).items():
@@ -480,8 +550,9 @@ class SourceBackbone:
     notes: list
 
 
-def backbone_from_source(source: str | Path, arch: str | None = None, image_size: int | None = None,
-                         flag: str = "--arch") -> SourceBackbone:
+def backbone_from_source(
+    source: str | Path, arch: str | None = None, image_size: int | None = None, flag: str = "--arch"
+) -> SourceBackbone:
     """Our backbone with SOURCE's weights, for ``image_size`` (default: the weights' own size, see
     :attr:`Pretrained.native_image_size`); ``arch``, when given, must be the file's.
 
@@ -495,8 +566,7 @@ def backbone_from_source(source: str | Path, arch: str | None = None, image_size
     size = image_size or pre.native_image_size
     if arch in VITS:
         if size % pre.patch_size:
-            raise ConfigError(f"--image-size {size} is not a multiple of the --init file's patch size "
-                              f"{pre.patch_size}")
+            raise ConfigError(f"--image-size {size} is not a multiple of the --init file's patch size {pre.patch_size}")
         backbone = build_vit(arch, size, pre.patch_size)[0]
     else:
         if pre.stem not in ("imagenet", "small"):

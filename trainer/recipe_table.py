@@ -9,6 +9,7 @@ table into the text ``moco train --help`` prints, so help, config.json and the c
 Torch-free: ``moco train --help`` reads it without loading torch. Applying the rules (and the checks between
 them) is :mod:`trainer.recipes`.
 """
+
 from __future__ import annotations
 
 import math
@@ -19,12 +20,29 @@ from typing import Callable
 # -- the papers' values (Chen et al. 2020 for v2; Chen, Xie and He 2021 for v3) -------------------------------------
 # ``warmup`` is a fraction of the run (10 of 100 epochs is 0.1); lr is per 256 images (x batch/256).
 PAPER = {
-    "v2": dict(lr=0.03, weight_decay=1e-4, warmup=0.0, queue_size=65536, momentum=0.999, temperature=0.2, dim=128,
-               mlp_hidden=0),
-    "v3_resnet": dict(lr=0.6, weight_decay=1e-6, warmup=10 / 100, queue_size=0, momentum=0.99, temperature=1.0,
-                      dim=256, mlp_hidden=4096),
-    "v3_vit": dict(lr=1.5e-4, weight_decay=0.1, warmup=40 / 300, queue_size=0, momentum=0.99, temperature=0.2,
-                   dim=256, mlp_hidden=4096),
+    "v2": dict(
+        lr=0.03, weight_decay=1e-4, warmup=0.0, queue_size=65536, momentum=0.999, temperature=0.2, dim=128, mlp_hidden=0
+    ),
+    "v3_resnet": dict(
+        lr=0.6,
+        weight_decay=1e-6,
+        warmup=10 / 100,
+        queue_size=0,
+        momentum=0.99,
+        temperature=1.0,
+        dim=256,
+        mlp_hidden=4096,
+    ),
+    "v3_vit": dict(
+        lr=1.5e-4,
+        weight_decay=0.1,
+        warmup=40 / 300,
+        queue_size=0,
+        momentum=0.99,
+        temperature=0.2,
+        dim=256,
+        mlp_hidden=4096,
+    ),
 }
 PAPER_BATCH = 256
 PAPER_BATCHES = "256-4,096"  # the batches the papers' values were made for (v2: 256; v3: 1,024-4,096)
@@ -130,8 +148,10 @@ def _auto_lr(s: Situation) -> float:
 
 def _auto_lr_why(s: Situation) -> str:
     base, cap = AUTO_LR[s.kind], AUTO_MAX_EFFECTIVE_LR[s.kind]
-    why = (f"{base:g} x batch/256 learned at batch 32-64 on the demo data ({lr_multiple(s.kind):g}x the paper's base "
-           "lr: the linear scaling rule assumes batches of thousands)")
+    why = (
+        f"{base:g} x batch/256 learned at batch 32-64 on the demo data ({lr_multiple(s.kind):g}x the paper's base "
+        "lr: the linear scaling rule assumes batches of thousands)"
+    )
     if _auto_lr(s) < base:
         why += f"; at batch {s.cfg.batch_size} capped so the peak lr stays at {cap:g}"
     return why
@@ -154,79 +174,194 @@ def _gpu_queue(s: Situation) -> int:
 # Filled before the model is built, in this order (a later rule may read what an earlier one set).
 BEFORE_TRAINING: tuple[Rule, ...] = (
     Rule("batch_size", "paper", lambda s: PAPER_BATCH, lambda s: "the papers' batch", f"{PAPER_BATCH}"),
-    Rule("batch_size", "cpu_v2", lambda s: auto_batch(s.num_images, 2, AUTO_BATCH_CPU_V2, s.world_size),
-         lambda s: f"on a CPU, batch {AUTO_BATCH_CPU_V2} (at most half the images) learned most per minute on real "
-                   "image collections (4-minute runs on 2 cores at peak lr 0.06, k-NN top-1 at batch 256 / 128 / 32: "
-                   "tuxpaint 48.9 / 48.4 / 47.3%, openclipart 53.0 / 51.7 / 47.0%); it also runs about 2x the "
-                   "images/s of batch 32",
-         f"MoCo v2 on a CPU: {AUTO_BATCH_CPU_V2} (at most half the images)"),
-    Rule("batch_size", "cpu", lambda s: max(AUTO_BATCH_CPU, s.world_size),
-         lambda s: f"on a CPU, batch {AUTO_BATCH_CPU} learned most per minute on the demo data (equal-time runs on "
-                   "2 cores: 75.6% k-NN at batch 32, 70.6% at 64, no gain at 128)",
-         f"MoCo v3 on a CPU: {AUTO_BATCH_CPU}"),
-    Rule("batch_size", "gpu", lambda s: auto_batch(s.num_images, AUTO_IMAGES_PER_BATCH, AUTO_BATCH_RANGE[1],
-                                                  s.world_size),
-         lambda s: f"{s.num_images} images: at most 1/{AUTO_IMAGES_PER_BATCH} of them per step, within "
-                   f"{AUTO_BATCH_RANGE[0]}-{AUTO_BATCH_RANGE[1]}",
-         f"on a GPU: 1/{AUTO_IMAGES_PER_BATCH} of the images ({AUTO_BATCH_RANGE[0]}-{AUTO_BATCH_RANGE[1]})"),
-    Rule("stem", "gpu", lambda s: "imagenet" if s.cfg.image_size > 96 else "small",
-         lambda s: (f"{s.cfg.image_size} px images: the ImageNet stem" if s.cfg.image_size > 96 else
-                    f"{s.cfg.image_size} px images keep their resolution (the CIFAR versions of MoCo/SimCLR)"),
-         "on a GPU: small (3x3, no max-pool) at 96 px and below, else ImageNet"),
-    Rule("stem", "paper", lambda s: "imagenet" if s.cfg.image_size > 96 else "small",
-         lambda s: (f"{s.cfg.image_size} px images: the ImageNet stem" if s.cfg.image_size > 96 else
-                    f"{s.cfg.image_size} px images keep their resolution (the CIFAR versions of MoCo/SimCLR)"),
-         "small at 96 px and below, else ImageNet"),
-    Rule("stem", "cpu", lambda s: "imagenet",
-         lambda s: (f"{s.cfg.image_size} px images: the ImageNet stem" if s.cfg.image_size > 96 else
-                    f"on a CPU the small stem costs {SMALL_STEM_COST}; pass --stem small to keep the resolution"),
-         "on a CPU: ImageNet (the small stem costs about 9x)"),
+    Rule(
+        "batch_size",
+        "cpu_v2",
+        lambda s: auto_batch(s.num_images, 2, AUTO_BATCH_CPU_V2, s.world_size),
+        lambda s: (
+            f"on a CPU, batch {AUTO_BATCH_CPU_V2} (at most half the images) learned most per minute on real "
+            "image collections (4-minute runs on 2 cores at peak lr 0.06, k-NN top-1 at batch 256 / 128 / 32: "
+            "tuxpaint 48.9 / 48.4 / 47.3%, openclipart 53.0 / 51.7 / 47.0%); it also runs about 2x the "
+            "images/s of batch 32"
+        ),
+        f"MoCo v2 on a CPU: {AUTO_BATCH_CPU_V2} (at most half the images)",
+    ),
+    Rule(
+        "batch_size",
+        "cpu",
+        lambda s: max(AUTO_BATCH_CPU, s.world_size),
+        lambda s: (
+            f"on a CPU, batch {AUTO_BATCH_CPU} learned most per minute on the demo data (equal-time runs on "
+            "2 cores: 75.6% k-NN at batch 32, 70.6% at 64, no gain at 128)"
+        ),
+        f"MoCo v3 on a CPU: {AUTO_BATCH_CPU}",
+    ),
+    Rule(
+        "batch_size",
+        "gpu",
+        lambda s: auto_batch(s.num_images, AUTO_IMAGES_PER_BATCH, AUTO_BATCH_RANGE[1], s.world_size),
+        lambda s: (
+            f"{s.num_images} images: at most 1/{AUTO_IMAGES_PER_BATCH} of them per step, within "
+            f"{AUTO_BATCH_RANGE[0]}-{AUTO_BATCH_RANGE[1]}"
+        ),
+        f"on a GPU: 1/{AUTO_IMAGES_PER_BATCH} of the images ({AUTO_BATCH_RANGE[0]}-{AUTO_BATCH_RANGE[1]})",
+    ),
+    Rule(
+        "stem",
+        "gpu",
+        lambda s: "imagenet" if s.cfg.image_size > 96 else "small",
+        lambda s: (
+            f"{s.cfg.image_size} px images: the ImageNet stem"
+            if s.cfg.image_size > 96
+            else f"{s.cfg.image_size} px images keep their resolution (the CIFAR versions of MoCo/SimCLR)"
+        ),
+        "on a GPU: small (3x3, no max-pool) at 96 px and below, else ImageNet",
+    ),
+    Rule(
+        "stem",
+        "paper",
+        lambda s: "imagenet" if s.cfg.image_size > 96 else "small",
+        lambda s: (
+            f"{s.cfg.image_size} px images: the ImageNet stem"
+            if s.cfg.image_size > 96
+            else f"{s.cfg.image_size} px images keep their resolution (the CIFAR versions of MoCo/SimCLR)"
+        ),
+        "small at 96 px and below, else ImageNet",
+    ),
+    Rule(
+        "stem",
+        "cpu",
+        lambda s: "imagenet",
+        lambda s: (
+            f"{s.cfg.image_size} px images: the ImageNet stem"
+            if s.cfg.image_size > 96
+            else f"on a CPU the small stem costs {SMALL_STEM_COST}; pass --stem small to keep the resolution"
+        ),
+        "on a CPU: ImageNet (the small stem costs about 9x)",
+    ),
     Rule("dim", "always", lambda s: PAPER[s.kind]["dim"], lambda s: f"{_name(s.kind)} paper value", "paper value"),
-    Rule("mlp_hidden", "always", lambda s: PAPER[s.kind]["mlp_hidden"], lambda s: f"{_name(s.kind)} paper value",
-         "paper value"),
-    Rule("weight_decay", "always", lambda s: PAPER[s.kind]["weight_decay"], lambda s: f"{_name(s.kind)} paper value",
-         "paper value"),
-    Rule("temperature", "paper", lambda s: PAPER[s.kind]["temperature"], lambda s: f"{_name(s.kind)} paper value",
-         "paper value"),
-    Rule("temperature", "auto", lambda s: AUTO_TEMPERATURE,
-         lambda s: f"T = {AUTO_TEMPERATURE:g} learned in every small-batch recipe; the v3 ResNet paper value 1.0 "
-                   "learned slowest", f"{AUTO_TEMPERATURE:g}"),
-    Rule("lr", "paper", lambda s: PAPER[s.kind]["lr"], lambda s: f"{_name(s.kind)} paper value (x batch/256)",
-         "paper value"),
-    Rule("lr", "init", _init_lr,
-         lambda s: f"--init: {INIT_LR_FRACTION:g}x the from-scratch auto lr ({_scratch_lr(s):g} x batch/256), so "
-                   f"training refines the weights instead of overwriting them ({NOT_MEASURED})",
-         f"{INIT_LR_FRACTION:g}x the from-scratch value"),
-    Rule("momentum", "init", lambda s: INIT_MOMENTUM[s.kind],
-         lambda s: f"--init: key momentum {INIT_MOMENTUM[s.kind]:g}"
-                   + (" rising to 1" if s.kind != "v2" else "")
-                   + f", higher than from scratch, so the key encoder keeps the source's features while the "
-                     f"queries adapt ({NOT_MEASURED})",
-         f"{INIT_MOMENTUM['v2']:g} (v2), {INIT_MOMENTUM['v3_resnet']:g} rising to 1 (v3)"),
-    Rule("warmup_epochs", "init", lambda s: INIT_WARMUP_EPOCHS[s.kind],
-         lambda s: f"--init: {INIT_WARMUP_EPOCHS[s.kind]:g} epochs of warm-up (at most "
-                   f"{100 * AUTO_WARMUP_MAX_FRACTION:g}% of the run): the weights need no long start, only the "
-                   f"fresh heads ({NOT_MEASURED})",
-         f"{INIT_WARMUP_EPOCHS['v3_resnet']:g} epoch for v3, none for v2"),
-    Rule("lr", "cpu_v2", lambda s: AUTO_LR_CPU_V2,
-         lambda s: f"{AUTO_LR_CPU_V2:g} x batch/256, {AUTO_LR_CPU_V2 / PAPER['v2']['lr']:g}x the paper's: in 4 minutes "
-                   "it added 17.9 k-NN points on the demo data where the paper's values added 7.5, and 1-3 points "
-                   f"fewer than those on real collections; the small-batch recipe ({AUTO_LR['v2']:g} x batch/256 at "
-                   "batch 32) fell below random weights on two of three real collections",
-         f"MoCo v2 on a CPU: {AUTO_LR_CPU_V2:g} x batch/256 ({AUTO_LR_CPU_V2 / PAPER['v2']['lr']:g}x the paper's)"),
-    Rule("lr", "auto", _auto_lr, _auto_lr_why,
-         "elsewhere: " + ", ".join(f"{lr_multiple(k):g}x the paper's for {_k}" for k, _k in
-                                    (("v2", "v2"), ("v3_resnet", "v3 ResNets"), ("v3_vit", "v3 ViTs")))
-         + ", capped at larger batches"),
-    Rule("queue_size", "paper", lambda s: PAPER["v2"]["queue_size"], lambda s: "MoCo v2 paper value",
-         f"{PAPER['v2']['queue_size']}"),
-    Rule("queue_size", "cpu_v2", lambda s: PAPER["v2"]["queue_size"],
-         lambda s: "the paper's K, or as long as the images allow (a longer queue learned more on real collections "
-                   "at batch 128-256)", f"MoCo v2 on a CPU: the paper's {PAPER['v2']['queue_size']}"),
-    Rule("queue_size", "auto", _gpu_queue,
-         lambda s: f"about 1/{AUTO_QUEUE_FRACTION} of the {s.num_images} images, a multiple of the batch (K = 256 of "
-                   "1,600 learned; the paper's K is 5% of ImageNet)",
-         f"on a GPU: about 1/{AUTO_QUEUE_FRACTION} of the images"),
+    Rule(
+        "mlp_hidden",
+        "always",
+        lambda s: PAPER[s.kind]["mlp_hidden"],
+        lambda s: f"{_name(s.kind)} paper value",
+        "paper value",
+    ),
+    Rule(
+        "weight_decay",
+        "always",
+        lambda s: PAPER[s.kind]["weight_decay"],
+        lambda s: f"{_name(s.kind)} paper value",
+        "paper value",
+    ),
+    Rule(
+        "temperature",
+        "paper",
+        lambda s: PAPER[s.kind]["temperature"],
+        lambda s: f"{_name(s.kind)} paper value",
+        "paper value",
+    ),
+    Rule(
+        "temperature",
+        "auto",
+        lambda s: AUTO_TEMPERATURE,
+        lambda s: (
+            f"T = {AUTO_TEMPERATURE:g} learned in every small-batch recipe; the v3 ResNet paper value 1.0 "
+            "learned slowest"
+        ),
+        f"{AUTO_TEMPERATURE:g}",
+    ),
+    Rule(
+        "lr",
+        "paper",
+        lambda s: PAPER[s.kind]["lr"],
+        lambda s: f"{_name(s.kind)} paper value (x batch/256)",
+        "paper value",
+    ),
+    Rule(
+        "lr",
+        "init",
+        _init_lr,
+        lambda s: (
+            f"--init: {INIT_LR_FRACTION:g}x the from-scratch auto lr ({_scratch_lr(s):g} x batch/256), so "
+            f"training refines the weights instead of overwriting them ({NOT_MEASURED})"
+        ),
+        f"{INIT_LR_FRACTION:g}x the from-scratch value",
+    ),
+    Rule(
+        "momentum",
+        "init",
+        lambda s: INIT_MOMENTUM[s.kind],
+        lambda s: (
+            f"--init: key momentum {INIT_MOMENTUM[s.kind]:g}"
+            + (" rising to 1" if s.kind != "v2" else "")
+            + f", higher than from scratch, so the key encoder keeps the source's features while the "
+            f"queries adapt ({NOT_MEASURED})"
+        ),
+        f"{INIT_MOMENTUM['v2']:g} (v2), {INIT_MOMENTUM['v3_resnet']:g} rising to 1 (v3)",
+    ),
+    Rule(
+        "warmup_epochs",
+        "init",
+        lambda s: INIT_WARMUP_EPOCHS[s.kind],
+        lambda s: (
+            f"--init: {INIT_WARMUP_EPOCHS[s.kind]:g} epochs of warm-up (at most "
+            f"{100 * AUTO_WARMUP_MAX_FRACTION:g}% of the run): the weights need no long start, only the "
+            f"fresh heads ({NOT_MEASURED})"
+        ),
+        f"{INIT_WARMUP_EPOCHS['v3_resnet']:g} epoch for v3, none for v2",
+    ),
+    Rule(
+        "lr",
+        "cpu_v2",
+        lambda s: AUTO_LR_CPU_V2,
+        lambda s: (
+            f"{AUTO_LR_CPU_V2:g} x batch/256, {AUTO_LR_CPU_V2 / PAPER['v2']['lr']:g}x the paper's: in 4 minutes "
+            "it added 17.9 k-NN points on the demo data where the paper's values added 7.5, and 1-3 points "
+            f"fewer than those on real collections; the small-batch recipe ({AUTO_LR['v2']:g} x batch/256 at "
+            "batch 32) fell below random weights on two of three real collections"
+        ),
+        f"MoCo v2 on a CPU: {AUTO_LR_CPU_V2:g} x batch/256 ({AUTO_LR_CPU_V2 / PAPER['v2']['lr']:g}x the paper's)",
+    ),
+    Rule(
+        "lr",
+        "auto",
+        _auto_lr,
+        _auto_lr_why,
+        "elsewhere: "
+        + ", ".join(
+            f"{lr_multiple(k):g}x the paper's for {_k}"
+            for k, _k in (("v2", "v2"), ("v3_resnet", "v3 ResNets"), ("v3_vit", "v3 ViTs"))
+        )
+        + ", capped at larger batches",
+    ),
+    Rule(
+        "queue_size",
+        "paper",
+        lambda s: PAPER["v2"]["queue_size"],
+        lambda s: "MoCo v2 paper value",
+        f"{PAPER['v2']['queue_size']}",
+    ),
+    Rule(
+        "queue_size",
+        "cpu_v2",
+        lambda s: PAPER["v2"]["queue_size"],
+        lambda s: (
+            "the paper's K, or as long as the images allow (a longer queue learned more on real collections "
+            "at batch 128-256)"
+        ),
+        f"MoCo v2 on a CPU: the paper's {PAPER['v2']['queue_size']}",
+    ),
+    Rule(
+        "queue_size",
+        "auto",
+        _gpu_queue,
+        lambda s: (
+            f"about 1/{AUTO_QUEUE_FRACTION} of the {s.num_images} images, a multiple of the batch (K = 256 of "
+            "1,600 learned; the paper's K is 5% of ImageNet)"
+        ),
+        f"on a GPU: about 1/{AUTO_QUEUE_FRACTION} of the images",
+    ),
 )
 
 
@@ -250,10 +385,14 @@ def describe() -> str:
         summaries = [r.summary for r in rules_for(option) if r.when not in ("paper", "init")]
         lines.append(f"  --{option.replace('_', '-')}: " + "; ".join(summaries))
     tau = f"1/{AUTO_TAU_FRACTION} of the run ({AUTO_TAU_RANGE[0]}-{AUTO_TAU_RANGE[1]} steps)"
-    lines.append(f"  --momentum (v2): an EMA time constant of {tau}; --warmup-epochs: none for v2, "
-                 f"{AUTO_WARMUP_EPOCHS_V3:g} epoch for v3 (at most {100 * AUTO_WARMUP_MAX_FRACTION:g}% of the run)")
+    lines.append(
+        f"  --momentum (v2): an EMA time constant of {tau}; --warmup-epochs: none for v2, "
+        f"{AUTO_WARMUP_EPOCHS_V3:g} epoch for v3 (at most {100 * AUTO_WARMUP_MAX_FRACTION:g}% of the run)"
+    )
     init = [f"--{r.option.replace('_', '-')} {r.summary}" for r in BEFORE_TRAINING if r.when == "init"]
     lines.append(f"  with --init ({NOT_MEASURED}): " + "; ".join(init))
-    lines.append(f"  the queue is always capped at half the images; the papers' values are for batches of "
-                 f"{PAPER_BATCHES} and hundreds of epochs")
+    lines.append(
+        f"  the queue is always capped at half the images; the papers' values are for batches of "
+        f"{PAPER_BATCHES} and hundreds of epochs"
+    )
     return "\n".join(textwrap.fill(line, 110, subsequent_indent="      ") for line in lines)

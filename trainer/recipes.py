@@ -13,6 +13,7 @@ Resolution happens in two steps: :func:`resolve_before_training` fixes what the 
 total number of steps (epochs, warm-up, v2's key momentum), which a ``--time-budget`` run only knows after its
 first minute. Every derived value lands in ``TrainConfig.derived`` as ``{"value": ..., "why": ...}``.
 """
+
 from __future__ import annotations
 
 import logging
@@ -76,8 +77,10 @@ def fit_queue_to_data(queue_size: int, batch_size: int, num_images: int) -> tupl
             f"{num_images} images are too few for MoCo v2 with --batch-size {batch_size}: the queue needs at least "
             f"two batches of other images; add images or lower --batch-size"
         )
-    return limit, (f"{queue_size} is more than half of the {num_images} images: capped at {limit} so the queue "
-                   "never holds the query's own image")
+    return limit, (
+        f"{queue_size} is more than half of the {num_images} images: capped at {limit} so the queue "
+        "never holds the query's own image"
+    )
 
 
 def check_batch_divides(batch_size: int, world_size: int) -> None:
@@ -90,8 +93,9 @@ def _unset(cfg: TrainConfig, option: str) -> bool:
     return getattr(cfg, option) is None or (option == "stem" and cfg.stem == "auto")
 
 
-def _fill(cfg: TrainConfig, options: tuple[str, ...], kind: str, num_images: int, world_size: int,
-          on_gpu: bool) -> TrainConfig:
+def _fill(
+    cfg: TrainConfig, options: tuple[str, ...], kind: str, num_images: int, world_size: int, on_gpu: bool
+) -> TrainConfig:
     """Fill each unset option of ``options`` from the first rule of the table whose condition holds."""
     for option in options:
         if not _unset(cfg, option):
@@ -103,8 +107,9 @@ def _fill(cfg: TrainConfig, options: tuple[str, ...], kind: str, num_images: int
     return cfg
 
 
-def resolve_before_training(cfg: TrainConfig, variant: Variant, num_images: int, world_size: int,
-                            on_gpu: bool) -> TrainConfig:
+def resolve_before_training(
+    cfg: TrainConfig, variant: Variant, num_images: int, world_size: int, on_gpu: bool
+) -> TrainConfig:
     """Fill every option the model, optimizer and loader need that the user left unset, by the rules of
     :data:`trainer.recipe_table.BEFORE_TRAINING`, with the checks that fall between them.
 
@@ -116,13 +121,17 @@ def resolve_before_training(cfg: TrainConfig, variant: Variant, num_images: int,
     cfg = _fill(cfg, ("batch_size",), *context)
     check_batch_divides(cfg.batch_size, world_size)
     if num_images < cfg.batch_size:
-        raise DataError(f"{cfg.data_dir} has {num_images} readable images, fewer than one batch ({cfg.batch_size}); "
-                        "add images or lower --batch-size")
+        raise DataError(
+            f"{cfg.data_dir} has {num_images} readable images, fewer than one batch ({cfg.batch_size}); "
+            "add images or lower --batch-size"
+        )
     if cfg.arch.startswith("resnet"):
         cfg = _fill(cfg, ("stem",), *context)
         if cfg.resolved_stem == "small" and not on_gpu:
-            LOG.warning("the small ResNet stem costs %s on 2 CPU cores; pass --stem imagenet for a run 9x faster",
-                        SMALL_STEM_COST)
+            LOG.warning(
+                "the small ResNet stem costs %s on 2 CPU cores; pass --stem imagenet for a run 9x faster",
+                SMALL_STEM_COST,
+            )
     cfg = _fill(cfg, ("dim", "mlp_hidden", "weight_decay", "temperature", "lr"), *context)
     cfg = _fill(cfg, ("momentum",), *context)  # only --init has a rule before training
     if kind == "v2":
@@ -145,13 +154,20 @@ def resolve_schedule(cfg: TrainConfig, variant: Variant, total_steps: int, steps
     v2's key momentum."""
     if cfg.epochs is None or "epochs" in cfg.derived:
         epochs = max(1, math.ceil(total_steps / steps_per_epoch))
-        why = (f"{total_steps} steps fit in --time-budget {cfg.time_budget} at the measured speed"
-               if cfg.time_budget else "default length without --time-budget")
+        why = (
+            f"{total_steps} steps fit in --time-budget {cfg.time_budget} at the measured speed"
+            if cfg.time_budget
+            else "default length without --time-budget"
+        )
         cfg = _set(cfg, "epochs", epochs, why)
     if cfg.knn_every is None:
         every = max(1, math.ceil(cfg.epochs / MONITOR_EVALUATIONS))
-        cfg = _set(cfg, "knn_every", every, f"about {MONITOR_EVALUATIONS} evaluations over {cfg.epochs} epochs "
-                   "(plus the first and the last)")
+        cfg = _set(
+            cfg,
+            "knn_every",
+            every,
+            f"about {MONITOR_EVALUATIONS} evaluations over {cfg.epochs} epochs (plus the first and the last)",
+        )
     init_rule = first_rule("warmup_epochs", Situation(cfg, KINDS[type(variant)], 0, 1, False))
     if cfg.warmup_epochs is None and init_rule is not None:  # --init; the rule's value is in epochs, capped here
         cap = AUTO_WARMUP_MAX_FRACTION * total_steps / steps_per_epoch
@@ -159,21 +175,35 @@ def resolve_schedule(cfg: TrainConfig, variant: Variant, total_steps: int, steps
         cfg = _set(cfg, "warmup_epochs", round(min(init_rule.value(situation), cap), 3), init_rule.why(situation))
     if cfg.warmup_epochs is None:
         if cfg.recipe == "paper":
-            cfg = _set(cfg, "warmup_epochs", round(variant.paper["warmup"] * total_steps / steps_per_epoch, 3),
-                       f"{variant.name} paper value: {100 * variant.paper['warmup']:g}% of the run")
+            cfg = _set(
+                cfg,
+                "warmup_epochs",
+                round(variant.paper["warmup"] * total_steps / steps_per_epoch, 3),
+                f"{variant.name} paper value: {100 * variant.paper['warmup']:g}% of the run",
+            )
         elif isinstance(variant, MoCoV2Variant):
             cfg = _set(cfg, "warmup_epochs", 0.0, "MoCo v2 learned without warm-up")
         else:
             cap = AUTO_WARMUP_MAX_FRACTION * total_steps / steps_per_epoch
             warmup = round(min(AUTO_WARMUP_EPOCHS_V3, cap), 3)
-            cfg = _set(cfg, "warmup_epochs", warmup, f"1 epoch (at most {100 * AUTO_WARMUP_MAX_FRACTION:g}% of the "
-                       "run) learned; the paper's 10% of a long run did not within 1,500 steps")
+            cfg = _set(
+                cfg,
+                "warmup_epochs",
+                warmup,
+                f"1 epoch (at most {100 * AUTO_WARMUP_MAX_FRACTION:g}% of the "
+                "run) learned; the paper's 10% of a long run did not within 1,500 steps",
+            )
     if cfg.momentum is None:  # v2, auto
         low, high = AUTO_TAU_RANGE
         tau = min(high, max(low, total_steps / AUTO_TAU_FRACTION))
-        cfg = _set(cfg, "momentum", round(1 - 1 / tau, 6), f"an EMA time constant of {tau:g} steps (1/"
-                   f"{AUTO_TAU_FRACTION} of the {total_steps}-step run, within {low}-{high}): 0.99 learned in "
-                   "1,400 steps where the paper's 0.999 barely moves the key encoder")
+        cfg = _set(
+            cfg,
+            "momentum",
+            round(1 - 1 / tau, 6),
+            f"an EMA time constant of {tau:g} steps (1/"
+            f"{AUTO_TAU_FRACTION} of the {total_steps}-step run, within {low}-{high}): 0.99 learned in "
+            "1,400 steps where the paper's 0.999 barely moves the key encoder",
+        )
     return cfg
 
 

@@ -7,6 +7,7 @@ nothing there. With the lock held, the run deletes the temporary files that atom
 (kill -9 during a checkpoint write) left behind: a 130 MB ``.checkpoint_last.pt.*.tmp`` each, which no run
 used to remove.
 """
+
 from __future__ import annotations
 
 import logging
@@ -56,8 +57,13 @@ class RunDirLock:
         self.held = True
         removed, freed = remove_stale_temp_files(self.run_dir, lambda name: bool(_RUN_FILES.match(name)))
         if removed:
-            LOG.warning("removed %d temporary file%s (%.1f MB) that a killed run left in %s", removed,
-                        "" if removed == 1 else "s", freed / 1e6, self.run_dir)
+            LOG.warning(
+                "removed %d temporary file%s (%.1f MB) that a killed run left in %s",
+                removed,
+                "" if removed == 1 else "s",
+                freed / 1e6,
+                self.run_dir,
+            )
 
     def acquire_if_present(self) -> None:
         """Before anything else, where the run directory already exists (a rerun): refuse a second run at once,

@@ -7,6 +7,7 @@ with ``--time-budget`` it is set by :class:`TimeBudget` from the throughput meas
 :class:`TimeBudget` keeps the clock of a budgeted run across interruptions: the seconds spent by earlier runs
 come back from the checkpoint, so a rerun continues to the same total steps and the same deadline.
 """
+
 from __future__ import annotations
 
 import logging
@@ -89,8 +90,7 @@ class TimeBudget:
     def calibration_due(self) -> bool:
         """True once enough steps were timed to plan the rest of the run."""
         window = min(CALIBRATION_SECONDS, 0.2 * self.seconds)
-        return (not self.calibrated and self._timed_steps >= CALIBRATION_MIN_STEPS
-                and self._timed_seconds >= window)
+        return not self.calibrated and self._timed_steps >= CALIBRATION_MIN_STEPS and self._timed_seconds >= window
 
     def estimate_total(self, step: int, reserve_seconds: float) -> int:
         """The total steps that fit in the budget at the measured speed, keeping ``reserve_seconds`` for

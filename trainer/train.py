@@ -6,6 +6,7 @@ image cache; resolve the recipe; build the model and resume from ``checkpoint_la
 has one; then per epoch train, monitor k-NN accuracy, write ``metrics.jsonl``, the plot and an atomic
 checkpoint. A ``--time-budget`` run plans its length from the first minute's throughput and stops on time.
 """
+
 from __future__ import annotations
 
 import json
@@ -166,8 +167,11 @@ def _merge_saved(cfg: TrainConfig, saved: dict, path: Path) -> TrainConfig:
 
 
 def _must_match_diffs(cfg: TrainConfig, saved: dict) -> list[str]:
-    return [f"{k}={saved.get(k)!r} (now {getattr(cfg, k)!r})" for k in RESUME_MUST_MATCH
-            if k in saved and saved.get(k) != getattr(cfg, k)]
+    return [
+        f"{k}={saved.get(k)!r} (now {getattr(cfg, k)!r})"
+        for k in RESUME_MUST_MATCH
+        if k in saved and saved.get(k) != getattr(cfg, k)
+    ]
 
 
 def _append_jsonl(path: Path, row: dict) -> None:
@@ -212,7 +216,8 @@ def _scan_and_cache(cfg: TrainConfig, is_main: bool) -> tuple[list, object, dict
     if not usable:
         raise DataError(no_images_message(cfg.data_dir, len(skipped)))
     cached, failed = ImageCache(cfg.data_dir, cache_side(cfg.image_size), cfg.cache_dir).update(
-        usable, workers=cfg.workers, progress=is_main, whole_folder=True)
+        usable, workers=cfg.workers, progress=is_main, whole_folder=True
+    )
     skipped.update(failed)
     readable = [f for f in usable if f.path not in failed]
     if not readable:
@@ -232,9 +237,9 @@ def _resume(cfg: TrainConfig, resume: str | Path | None) -> tuple[TrainConfig, d
     return cfg, ckpt, resume_path
 
 
-def _build_model(cfg: TrainConfig, variant: Variant, device: torch.device, ckpt: dict | None,
-                 init: Pretrained | None = None
-                 ) -> tuple[torch.nn.Module, torch.nn.Module, torch.optim.Optimizer, int, dict]:
+def _build_model(
+    cfg: TrainConfig, variant: Variant, device: torch.device, ckpt: dict | None, init: Pretrained | None = None
+) -> tuple[torch.nn.Module, torch.nn.Module, torch.optim.Optimizer, int, dict]:
     """``(model, ddp_model, optimizer, bn_splits, init report)``, with the checkpoint's weights and optimizer
     state, or (a new run with ``--init``) the source's weights (the report says what was loaded)."""
     world = dist.world_size()
@@ -266,36 +271,41 @@ def _build_model(cfg: TrainConfig, variant: Variant, device: torch.device, ckpt:
     return model, ddp_model, optimizer, bn_splits, report
 
 
-def _build_loader(cfg: TrainConfig, variant: Variant, device: torch.device, cached, labels: list
-                  ) -> tuple[torch.utils.data.DataLoader, TwoViewAugment]:
+def _build_loader(
+    cfg: TrainConfig, variant: Variant, device: torch.device, cached, labels: list
+) -> tuple[torch.utils.data.DataLoader, TwoViewAugment]:
     """The loader of cached rows (this process's share of each batch) and the two-view augmentation."""
     rank, world = dist.rank(), dist.world_size()
     labels_index = {name: i for i, name in enumerate(sorted({x for x in labels if x is not None}))}
     dataset = CachedBatchDataset(cached, [labels_index.get(x, -1) for x in labels])
     loader_workers = min(cfg.workers, 2) if device.type == "cuda" else 0  # on a CPU, gathering rows costs < 1 ms
-    loader = training_loader(dataset, cfg.batch_size // world, loader_workers, rank, world, cfg.seed,
-                             device.type == "cuda")
+    loader = training_loader(
+        dataset, cfg.batch_size // world, loader_workers, rank, world, cfg.seed, device.type == "cuda"
+    )
     return loader, TwoViewAugment(variant.views(), cfg.image_size, variant.memory_format)
 
 
-def _plan(cfg: TrainConfig, variant: Variant, ckpt: dict | None, steps_per_epoch: int
-          ) -> tuple[TrainConfig, Schedule, TimeBudget | None]:
+def _plan(
+    cfg: TrainConfig, variant: Variant, ckpt: dict | None, steps_per_epoch: int
+) -> tuple[TrainConfig, Schedule, TimeBudget | None]:
     """``(cfg, schedule, budget)``: the run's length and everything that depends on it. A budgeted run keeps a
     provisional length until it has timed itself, unless its checkpoint already holds the plan."""
     saved = (ckpt or {}).get("schedule", {})
     if cfg.budget_seconds is None:
         cfg = resolve_schedule(cfg, variant, (cfg.epochs or 200) * steps_per_epoch, steps_per_epoch)
         return cfg, _schedule(cfg, variant, cfg.epochs * steps_per_epoch, steps_per_epoch), None
-    budget = TimeBudget(cfg.budget_seconds, spent=saved.get("spent_seconds", 0.0),
-                        total_steps=saved.get("total_steps", 0))
+    budget = TimeBudget(
+        cfg.budget_seconds, spent=saved.get("spent_seconds", 0.0), total_steps=saved.get("total_steps", 0)
+    )
     total = budget.total_steps or _provisional_total(cfg, steps_per_epoch)
     if budget.calibrated:
         cfg = resolve_schedule(cfg, variant, total, steps_per_epoch)
     return cfg, _schedule(cfg, variant, total, steps_per_epoch), budget
 
 
-def setup(cfg: TrainConfig, device: torch.device, resume: str | Path | None = None,
-          lock: RunDirLock | None = None) -> tuple[Trainee, Progress]:
+def setup(
+    cfg: TrainConfig, device: torch.device, resume: str | Path | None = None, lock: RunDirLock | None = None
+) -> tuple[Trainee, Progress]:
     """Validate, scan and cache the data, resolve the recipe, build (or resume) the model, optimizer and loader,
     and plan the run: ``(what is fixed for the run, where it stands)``. ``lock`` (held by :func:`train`) is
     taken once the run directory exists, before anything is written there.
@@ -318,19 +328,30 @@ def setup(cfg: TrainConfig, device: torch.device, resume: str | Path | None = No
     if ckpt is not None and _must_match_diffs(cfg, ckpt["config"]):
         # the options matched (_merge_saved), so the folder changed: fewer images cap the queue below the
         # checkpoint's, which its model cannot load
-        raise DataError(f"{resume_path} was trained with {', '.join(_must_match_diffs(cfg, ckpt['config']))}, "
-                        f"which the {len(files)} readable images now in {cfg.data_dir} no longer allow; restore "
-                        "the images or use a new --out")
+        raise DataError(
+            f"{resume_path} was trained with {', '.join(_must_match_diffs(cfg, ckpt['config']))}, "
+            f"which the {len(files)} readable images now in {cfg.data_dir} no longer allow; restore "
+            "the images or use a new --out"
+        )
     if ckpt is None:
-        cfg = cfg.replace(run_id=dist.broadcast_object(cfg.run_id or time.strftime("%Y%m%d-%H%M%S-")
-                                                       + secrets.token_hex(3)))
+        cfg = cfg.replace(
+            run_id=dist.broadcast_object(cfg.run_id or time.strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(3))
+        )
     per_process_batch = cfg.batch_size // world
     labels = [f.label for f in files]
     knn_folder = _find_knn_folder(cfg, len(set(labels)) >= 2 and None not in labels)
     monitor = None
     if knn_folder is not None and is_main:
-        monitor = KnnMonitor(knn_folder, cfg.image_size, cfg.knn_k, cfg.knn_temperature, cfg.knn_max_images,
-                             batch_size=max(64, per_process_batch), cache_root=cfg.cache_dir, workers=cfg.workers)
+        monitor = KnnMonitor(
+            knn_folder,
+            cfg.image_size,
+            cfg.knn_k,
+            cfg.knn_temperature,
+            cfg.knn_max_images,
+            batch_size=max(64, per_process_batch),
+            cache_root=cfg.cache_dir,
+            workers=cfg.workers,
+        )
     if is_main:
         check_writable(run_dir, "run directory", "choose a writable --out")
         if lock is not None:
@@ -344,10 +365,21 @@ def setup(cfg: TrainConfig, device: torch.device, resume: str | Path | None = No
     loader, augment = _build_loader(cfg, variant, device, cached, labels)
     steps_per_epoch = len(loader)
     cfg, schedule, budget = _plan(cfg, variant, ckpt, steps_per_epoch)
-    trainee = Trainee(variant=variant, device=device, run_dir=run_dir, paths=[f.path for f in files], model=model,
-                      ddp_model=ddp_model, optimizer=optimizer, augment=augment, loader=loader,
-                      steps_per_epoch=steps_per_epoch, amp=amp, monitor=monitor,
-                      generator=torch.Generator(device=device))
+    trainee = Trainee(
+        variant=variant,
+        device=device,
+        run_dir=run_dir,
+        paths=[f.path for f in files],
+        model=model,
+        ddp_model=ddp_model,
+        optimizer=optimizer,
+        augment=augment,
+        loader=loader,
+        steps_per_epoch=steps_per_epoch,
+        amp=amp,
+        monitor=monitor,
+        generator=torch.Generator(device=device),
+    )
     progress = Progress(cfg=cfg, schedule=schedule, budget=budget, skipped=skipped, resumed=ckpt is not None)
     if ckpt is not None:
         progress.epoch, progress.step = ckpt["epoch"], ckpt["step"]
@@ -356,20 +388,40 @@ def setup(cfg: TrainConfig, device: torch.device, resume: str | Path | None = No
         progress.epoch, progress.batch_in_epoch = progress.epoch + 1, 0
     if is_main:
         if ckpt is not None:
-            LOG.info("resuming %s from epoch %d, batch %d (step %d)", run_dir,
-                     progress.epoch + 1 if progress.batch_in_epoch else progress.epoch, progress.batch_in_epoch,
-                     progress.step)
+            LOG.info(
+                "resuming %s from epoch %d, batch %d (step %d)",
+                run_dir,
+                progress.epoch + 1 if progress.batch_in_epoch else progress.epoch,
+                progress.batch_in_epoch,
+                progress.step,
+            )
             _truncate_metrics(run_dir / METRICS, progress.step)
         else:  # a run killed before its first checkpoint left rows: this one logs them again
             _truncate_metrics(run_dir / METRICS, -1)
         write_text_atomic(run_dir / CONFIG, cfg.to_json() + "\n")
         _write_skipped(run_dir / SKIPPED, skipped)
-        plan = (f"for {cfg.time_budget} (steps planned after the first minute)" if budget is not None
-                and not budget.calibrated else f"for {cfg.epochs} epochs ({schedule.total_steps} steps)")
-        LOG.info("training %s %s on %d images (%d skipped) %s: %d processes x %d images, %d steps/epoch, device "
-                 "%s, bf16 %s (%s), bn splits %d, recipe %s", variant.name, cfg.arch, len(files), len(skipped), plan,
-                 world, per_process_batch, steps_per_epoch, device, "on" if amp else "off", amp_why, bn_splits,
-                 cfg.recipe)
+        plan = (
+            f"for {cfg.time_budget} (steps planned after the first minute)"
+            if budget is not None and not budget.calibrated
+            else f"for {cfg.epochs} epochs ({schedule.total_steps} steps)"
+        )
+        LOG.info(
+            "training %s %s on %d images (%d skipped) %s: %d processes x %d images, %d steps/epoch, device "
+            "%s, bf16 %s (%s), bn splits %d, recipe %s",
+            variant.name,
+            cfg.arch,
+            len(files),
+            len(skipped),
+            plan,
+            world,
+            per_process_batch,
+            steps_per_epoch,
+            device,
+            "on" if amp else "off",
+            amp_why,
+            bn_splits,
+            cfg.recipe,
+        )
         for name, item in cfg.derived.items():
             LOG.debug("  %s = %s: %s", name, item["value"], item["why"])
     return trainee, progress
@@ -383,13 +435,25 @@ def _provisional_total(cfg: TrainConfig, steps_per_epoch: int) -> int:
 def _schedule(cfg: TrainConfig, variant: Variant, total: int, steps_per_epoch: int) -> Schedule:
     warmup_epochs = cfg.warmup_epochs if cfg.warmup_epochs is not None else 0.0
     momentum = cfg.momentum if cfg.momentum is not None else 0.99
-    return Schedule(peak_lr=cfg.effective_lr, warmup_steps=int(warmup_epochs * steps_per_epoch), total_steps=total,
-                    m0=momentum, momentum_fn=variant.key_momentum)
+    return Schedule(
+        peak_lr=cfg.effective_lr,
+        warmup_steps=int(warmup_epochs * steps_per_epoch),
+        total_steps=total,
+        m0=momentum,
+        momentum_fn=variant.key_momentum,
+    )
 
 
 # -- one step, one epoch -----------------------------------------------------------------------------------------
-def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, x1: torch.Tensor, x2: torch.Tensor,
-               lr: float, m: float, amp: bool) -> torch.Tensor:
+def train_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    x1: torch.Tensor,
+    x2: torch.Tensor,
+    lr: float,
+    m: float,
+    amp: bool,
+) -> torch.Tensor:
     """One optimizer step on two augmented views ``[N, 3, H, W]`` at learning rate ``lr`` and key momentum
     ``m``; returns the (detached) loss.
 
@@ -438,9 +502,15 @@ def _apply_plan(t: Trainee, p: Progress, total: int) -> None:
     p.schedule = _schedule(p.cfg, t.variant, total, t.steps_per_epoch)
     if t.is_main:
         rate = p.cfg.batch_size / budget.seconds_per_step if budget.seconds_per_step else float("nan")
-        LOG.info("time budget %s: measured %.0f images/s, so %d steps (%.1f epochs), %d of them warm-up; %.0f s left",
-                 p.cfg.time_budget, rate, total, total / t.steps_per_epoch, p.schedule.warmup_steps,
-                 budget.remaining())
+        LOG.info(
+            "time budget %s: measured %.0f images/s, so %d steps (%.1f epochs), %d of them warm-up; %.0f s left",
+            p.cfg.time_budget,
+            rate,
+            total,
+            total / t.steps_per_epoch,
+            p.schedule.warmup_steps,
+            budget.remaining(),
+        )
         write_text_atomic(t.run_dir / CONFIG, p.cfg.to_json() + "\n")
 
 
@@ -468,8 +538,13 @@ def run_epoch(t: Trainee, p: Progress, epoch: int, end_step: int) -> dict:
     first_batch = p.batch_in_epoch
     sampler.skip = first_batch * (cfg.batch_size // dist.world_size())
     # the bar is for terminals (disable=None: off when stderr is not a TTY); logs get one line per epoch
-    bar = tqdm(t.loader, desc=f"epoch {epoch + 1}" + (f"/{cfg.epochs}" if cfg.epochs else ""),
-               disable=None if t.is_main else True, leave=False, dynamic_ncols=True)
+    bar = tqdm(
+        t.loader,
+        desc=f"epoch {epoch + 1}" + (f"/{cfg.epochs}" if cfg.epochs else ""),
+        disable=None if t.is_main else True,
+        leave=False,
+        dynamic_ncols=True,
+    )
     tic, seen, losses, stopped = time.perf_counter(), 0, [], None
     steps_this_epoch, last = 0, tic
     try:
@@ -491,11 +566,25 @@ def run_epoch(t: Trainee, p: Progress, epoch: int, end_step: int) -> dict:
             images_per_s = seen / (time.perf_counter() - tic)
             bar.set_postfix(loss=f"{losses[-1]:.3f}", lr=f"{lr:.4f}", img_s=f"{images_per_s:.0f}")
             if t.is_main and p.step % cfg.log_every == 0:
-                _append_jsonl(t.run_dir / METRICS, {"kind": "step", "epoch": epoch, "step": p.step, "loss": losses[-1],
-                                                    "lr": lr, "momentum": m, "images_per_s": images_per_s,
-                                                    "elapsed_s": _elapsed(t, p)})
-            if cfg.save_every_steps and p.step % cfg.save_every_steps == 0 and p.batch_in_epoch < t.steps_per_epoch \
-                    and t.is_main:
+                _append_jsonl(
+                    t.run_dir / METRICS,
+                    {
+                        "kind": "step",
+                        "epoch": epoch,
+                        "step": p.step,
+                        "loss": losses[-1],
+                        "lr": lr,
+                        "momentum": m,
+                        "images_per_s": images_per_s,
+                        "elapsed_s": _elapsed(t, p),
+                    },
+                )
+            if (
+                cfg.save_every_steps
+                and p.step % cfg.save_every_steps == 0
+                and p.batch_in_epoch < t.steps_per_epoch
+                and t.is_main
+            ):
                 save(t, p)
             if p.step >= end_step:
                 stopped = "steps"
@@ -523,8 +612,19 @@ def save(t: Trainee, p: Progress) -> None:
     schedule = {"total_steps": p.schedule.total_steps, "warmup_steps": p.schedule.warmup_steps}
     if p.budget is not None:
         schedule.update(total_steps=p.budget.total_steps, spent_seconds=p.budget.elapsed())
-    save_atomic(checkpoint_dict(p.cfg, t.model, epoch=p.epoch, step=p.step, optimizer=t.optimizer,
-                                batch_in_epoch=p.batch_in_epoch, schedule=schedule, rng=rng_state()), t.run_dir / LAST)
+    save_atomic(
+        checkpoint_dict(
+            p.cfg,
+            t.model,
+            epoch=p.epoch,
+            step=p.step,
+            optimizer=t.optimizer,
+            batch_in_epoch=p.batch_in_epoch,
+            schedule=schedule,
+            rng=rng_state(),
+        ),
+        t.run_dir / LAST,
+    )
     p.last_save = time.perf_counter()
     p.save_seconds = p.last_save - tic
     p.saved_step = p.step
@@ -535,8 +635,13 @@ def _save_on_interrupt(t: Trainee, p: Progress) -> None:
     under DDP other ranks may be inside a collective)."""
     if t.is_main and dist.world_size() == 1 and p.step > p.saved_step:
         save(t, p)
-        LOG.warning("interrupted: saved %s at epoch %d, batch %d (step %d)", t.run_dir / LAST, p.epoch + 1,
-                    p.batch_in_epoch, p.step)
+        LOG.warning(
+            "interrupted: saved %s at epoch %d, batch %d (step %d)",
+            t.run_dir / LAST,
+            p.epoch + 1,
+            p.batch_in_epoch,
+            p.step,
+        )
 
 
 # -- the run --------------------------------------------------------------------------------------------------------
@@ -557,10 +662,17 @@ def run(t: Trainee, p: Progress, stop_at_epoch: int | None = None) -> TrainResul
         tic = time.perf_counter()
         knn_before = knn_acc = t.monitor.evaluate(t.model.backbone, t.device)
         p.eval_seconds = time.perf_counter() - tic
-        LOG.info("k-NN top-1 before training (%s): %.2f%% (%d images from %s)",
-                 f"--init {cfg.init}" if cfg.init else "random init", 100 * knn_acc, len(t.monitor), t.monitor.folder)
-        _append_jsonl(t.run_dir / METRICS, {"kind": "epoch", "epoch": 0, "step": 0, "knn_acc": knn_acc,
-                                            "elapsed_s": _elapsed(t, p)})
+        LOG.info(
+            "k-NN top-1 before training (%s): %.2f%% (%d images from %s)",
+            f"--init {cfg.init}" if cfg.init else "random init",
+            100 * knn_acc,
+            len(t.monitor),
+            t.monitor.folder,
+        )
+        _append_jsonl(
+            t.run_dir / METRICS,
+            {"kind": "epoch", "epoch": 0, "step": 0, "knn_acc": knn_acc, "elapsed_s": _elapsed(t, p)},
+        )
     stopped = None
     start_step = p.saved_step = p.step
     try:
@@ -592,15 +704,23 @@ def run(t: Trainee, p: Progress, stop_at_epoch: int | None = None) -> TrainResul
                 knn_acc = t.monitor.evaluate(t.model.backbone, t.device)
                 p.eval_seconds = time.perf_counter() - t_eval
             if t.is_main:
-                row = {"kind": "epoch", "epoch": epoch + 1 if complete else round(epoch + p.batch_in_epoch /
-                                                                                  t.steps_per_epoch, 3),
-                       "step": p.step, "loss": loss_value, "lr": p.schedule.lr(max(0, p.step - 1)),
-                       "epoch_time_s": stats["seconds"], "images_per_s": stats["seen"] / max(1e-9, stats["seconds"]),
-                       "knn_acc": knn_acc, "elapsed_s": _elapsed(t, p)}
+                row = {
+                    "kind": "epoch",
+                    "epoch": epoch + 1 if complete else round(epoch + p.batch_in_epoch / t.steps_per_epoch, 3),
+                    "step": p.step,
+                    "loss": loss_value,
+                    "lr": p.schedule.lr(max(0, p.step - 1)),
+                    "epoch_time_s": stats["seconds"],
+                    "images_per_s": stats["seen"] / max(1e-9, stats["seconds"]),
+                    "knn_acc": knn_acc,
+                    "elapsed_s": _elapsed(t, p),
+                }
                 _append_jsonl(t.run_dir / METRICS, row)
                 _write_skipped(t.run_dir / SKIPPED, p.skipped)
                 knn_text = f", k-NN top-1 {100 * knn_acc:.2f}%" if knn_acc is not None else ""
-                LOG.info("epoch %s: loss %.4f, %.0f images/s%s", row["epoch"], loss_value, row["images_per_s"], knn_text)
+                LOG.info(
+                    "epoch %s: loss %.4f, %.0f images/s%s", row["epoch"], loss_value, row["images_per_s"], knn_text
+                )
                 keep = complete and (p.epoch % cfg.save_every == 0 or finished)
                 if finished or keep or time.perf_counter() - p.last_save >= CHECKPOINT_INTERVAL:
                     save(t, p)
@@ -623,8 +743,19 @@ def run(t: Trainee, p: Progress, stop_at_epoch: int | None = None) -> TrainResul
         stopped = reason
     elif stopped == "steps":
         stopped = reason
-    return TrainResult(t.run_dir, p.epoch, p.step, loss_value, knn_acc, len(t.paths), len(p.skipped), t.model,
-                       knn_before, stopped, p.cfg.init)
+    return TrainResult(
+        t.run_dir,
+        p.epoch,
+        p.step,
+        loss_value,
+        knn_acc,
+        len(t.paths),
+        len(p.skipped),
+        t.model,
+        knn_before,
+        stopped,
+        p.cfg.init,
+    )
 
 
 def train(cfg: TrainConfig, resume: str | Path | None = None, stop_at_epoch: int | None = None) -> TrainResult:

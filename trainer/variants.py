@@ -8,6 +8,7 @@ References: Chen et al. 2020, "Improved Baselines with Momentum Contrastive Lear
 2021, "An Empirical Study of Training Self-Supervised Vision Transformers" (v3, the reference code's ResNet-50
 100-epoch and ViT recipes).
 """
+
 from __future__ import annotations
 
 import math
@@ -92,8 +93,9 @@ class MoCoV2Variant(Variant):
 
     def build_optimizer(self, cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
         params = [p for p in model.parameters() if p.requires_grad]
-        return torch.optim.SGD(params, lr=cfg.effective_lr, momentum=cfg.sgd_momentum, weight_decay=cfg.weight_decay,
-                               fused=_fused(model))
+        return torch.optim.SGD(
+            params, lr=cfg.effective_lr, momentum=cfg.sgd_momentum, weight_decay=cfg.weight_decay, fused=_fused(model)
+        )
 
     def views(self) -> tuple[ViewSpec, ViewSpec]:
         return MOCO_V2_VIEW, MOCO_V2_VIEW
@@ -110,8 +112,9 @@ class MoCoV2Variant(Variant):
             return requested
         if world_size > 1:
             return 1
-        return max(g for g in range(1, 9)
-                   if g == 1 or per_process_batch % g == 0 and per_process_batch // g >= MIN_BN_GROUP)
+        return max(
+            g for g in range(1, 9) if g == 1 or per_process_batch % g == 0 and per_process_batch // g >= MIN_BN_GROUP
+        )
 
 
 class MoCoV3Variant(Variant):
@@ -137,13 +140,18 @@ class MoCoV3ResNetVariant(MoCoV3Variant):
 
     def build_model(self, cfg: TrainConfig, bn_splits: int = 1) -> MoCo:
         backbone, feature_dim = build_resnet(cfg.arch, cfg.resolved_stem, 1)
-        return MoCoV3(backbone, feature_dim, cfg.dim, cfg.mlp_hidden, cfg.temperature, projector_layers=2,
-                      predictor_last_bn=False)
+        return MoCoV3(
+            backbone, feature_dim, cfg.dim, cfg.mlp_hidden, cfg.temperature, projector_layers=2, predictor_last_bn=False
+        )
 
     def build_optimizer(self, cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
         decayed, exempt = decay_groups(model)
-        return LARS([{"params": decayed}, {"params": exempt, "lars_exclude": True}], lr=cfg.effective_lr,
-                    weight_decay=cfg.weight_decay, momentum=cfg.sgd_momentum)
+        return LARS(
+            [{"params": decayed}, {"params": exempt, "lars_exclude": True}],
+            lr=cfg.effective_lr,
+            weight_decay=cfg.weight_decay,
+            momentum=cfg.sgd_momentum,
+        )
 
 
 class MoCoV3ViTVariant(MoCoV3Variant):
@@ -155,13 +163,17 @@ class MoCoV3ViTVariant(MoCoV3Variant):
 
     def build_model(self, cfg: TrainConfig, bn_splits: int = 1) -> MoCo:
         backbone, feature_dim = build_vit(cfg.arch, cfg.image_size, cfg.resolved_patch_size)
-        return MoCoV3(backbone, feature_dim, cfg.dim, cfg.mlp_hidden, cfg.temperature, projector_layers=3,
-                      predictor_last_bn=True)
+        return MoCoV3(
+            backbone, feature_dim, cfg.dim, cfg.mlp_hidden, cfg.temperature, projector_layers=3, predictor_last_bn=True
+        )
 
     def build_optimizer(self, cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
         decayed, exempt = decay_groups(model)
-        return torch.optim.AdamW([{"params": decayed, "weight_decay": cfg.weight_decay},
-                                  {"params": exempt, "weight_decay": 0.0}], lr=cfg.effective_lr, fused=_fused(model))
+        return torch.optim.AdamW(
+            [{"params": decayed, "weight_decay": cfg.weight_decay}, {"params": exempt, "weight_decay": 0.0}],
+            lr=cfg.effective_lr,
+            fused=_fused(model),
+        )
 
     @property
     def memory_format(self) -> torch.memory_format:
@@ -179,6 +191,9 @@ def build_model(cfg: TrainConfig, bn_splits: int = 1) -> MoCo:
     """The MoCo model of ``cfg`` (randomly initialised, on the CPU); shape options left unset (a config no
     recipe has resolved, as in tests and benchmarks) take the paper's values."""
     variant = variant_for(cfg)
-    shape = {name: variant.paper[name] for name in ("dim", "mlp_hidden", "temperature", "queue_size")
-             if getattr(cfg, name) is None}
+    shape = {
+        name: variant.paper[name]
+        for name in ("dim", "mlp_hidden", "temperature", "queue_size")
+        if getattr(cfg, name) is None
+    }
     return variant.build_model(cfg.replace(**shape) if shape else cfg, bn_splits)
