@@ -22,6 +22,7 @@ import time
 
 from fastapi import FastAPI
 
+from moco_retrieval.app.http_protocol import uvicorn_options
 from moco_retrieval.contracts.errors import ConfigError
 from moco_retrieval.serve.engine import EngineConfig, SearchEngine
 
@@ -80,7 +81,7 @@ def serve_forever(
 
     check_port(host, port)
     app = make_app(engine, ui=ui, metrics=metrics)
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
+    config = uvicorn.Config(app, host=host, port=port, **uvicorn_options())
     server = uvicorn.Server(config)
     shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
     url = f"http://{shown}:{port}/"
@@ -173,8 +174,7 @@ def serve_workers(
             host=host,
             port=port,
             workers=workers,
-            log_level="warning",
-            timeout_graceful_shutdown=5,
+            **uvicorn_options(),
         )
     finally:
         stop.set()

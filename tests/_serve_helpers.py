@@ -91,11 +91,12 @@ class RunningServer:
 
         import uvicorn
 
+        from moco_retrieval.app.http_protocol import uvicorn_options
+
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(
-            uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", timeout_graceful_shutdown=2)
-        )  # SSE streams of the UI stay open
+        options = uvicorn_options() | {"timeout_graceful_shutdown": 2}  # SSE streams of the UI stay open
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, **options))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 30

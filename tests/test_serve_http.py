@@ -214,3 +214,43 @@ def test_search_and_classify__the_cli_json_has_the_http_answers_schema(client, s
     on_cli = json.loads(capsys.readouterr().out)
     assert set(on_cli) == set(voted) and on_cli["label"] == voted["label"] and on_cli["k"] == voted["k"]
     assert [set(h) for h in on_cli["neighbors"]] == [set(h) for h in voted["neighbors"]]
+
+
+def test_serve__a_connection_without_a_request_head_in_time_is_closed(served_engine, monkeypatch):
+    """Half-open connections and request heads sent a byte at a time were held forever (uvicorn times a
+    connection out only after a response); now each gets HEAD_TIMEOUT_S to send its head."""
+    import socket
+    import time
+
+    import moco_retrieval.app.http_protocol as http_protocol
+    from moco_retrieval.app.server import make_app
+    from tests._serve_helpers import RunningServer
+
+    monkeypatch.setattr(http_protocol, "HEAD_TIMEOUT_S", 0.5)
+    server = RunningServer(make_app(served_engine, ui=False))
+    try:
+
+        def closed_after(send_slowly: bool) -> float:
+            tic = time.perf_counter()
+            with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
+                if send_slowly:  # a request line and headers, a few bytes every 0.2 s
+                    for piece in (b"GET /api/", b"health HTTP/1.1\r\n", b"Host: x\r\n", b"X-Slow: 1\r\n") * 3:
+                        try:
+                            sock.sendall(piece)
+                        except OSError:
+                            break
+                        time.sleep(0.2)
+                try:
+                    assert sock.recv(1024) == b""  # closed by the server, nothing answered
+                except ConnectionResetError:  # closed with our bytes unread: a reset, as closed
+                    pass
+            return time.perf_counter() - tic
+
+        assert closed_after(send_slowly=False) < 3
+        assert closed_after(send_slowly=True) < 3
+        with httpx.Client(base_url=server.url, timeout=10) as client:  # a whole request still gets its answer,
+            assert client.get("/api/health").status_code == 200  # twice on one connection (kept alive)
+            time.sleep(0.2)
+            assert client.get("/api/health").status_code == 200
+    finally:
+        server.stop()
