@@ -8,7 +8,8 @@ the peak back (``VmHWM``):
 - ``line_1x250000``: the 565-byte 1x250,000 PNG (fits the pixel limit; resized it was 32x8,000,000);
 - ``jpeg_24mp``: a 6000x4000 JPEG photo-like gradient (a large, valid upload);
 - ``png_24mp_rgba``: a 6000x4000 RGBA PNG (a large, valid upload with transparency);
-- ``small``: 32 px PNGs (the baseline).
+- ``small``: 32 px PNGs (the baseline);
+- ``png_31mib_noise``: 31 MiB PNGs of noise, just under the upload limit (the fault matrix sent 100 at once).
 
     python bench/serve_memory.py --index-dir bench/results/serve_work_imagenet/index --out bench/results/serve_memory.json
 """
@@ -49,6 +50,10 @@ def scenarios() -> dict[str, bytes]:
         "jpeg_24mp": _encode(Image.fromarray(rgb), "JPEG"),
         "png_24mp_rgba": _encode(Image.fromarray(np.concatenate([rgb, alpha], axis=-1), "RGBA"), "PNG"),
         "small": _encode(Image.fromarray(rgb[:32, :32]), "PNG"),
+        # the fault matrix's case: 31 MiB uploads (noise does not compress), just under the 32 MiB limit
+        "png_31mib_noise": _encode(
+            Image.fromarray(np.random.default_rng(0).integers(0, 256, (3300, 3300, 3), dtype=np.uint8)), "PNG"
+        ),
     }
 
 
@@ -72,6 +77,7 @@ def main() -> None:
     p.add_argument("--clients", type=int, default=8, help="uploads sent at once per scenario (default 8)")
     p.add_argument("--rounds", type=int, default=3, help="times each scenario's burst is sent (default 3)")
     p.add_argument("--label", default="", help="a name for this measurement, stored in the JSON")
+    p.add_argument("--scenario", action="append", help="only these scenarios (repeatable; default all)")
     p.add_argument("--out", type=Path, default=Path("bench/results/serve_memory.json"))
     args = p.parse_args()
     import httpx
@@ -109,8 +115,11 @@ def main() -> None:
             def post(data: bytes) -> int:
                 return client.post(url, files={"image": ("q.png", data, "image/png")}).status_code
 
-            post(scenarios()["small"])  # warm: the first request loads what every request uses
-            for name, data in scenarios().items():
+            made = scenarios()
+            post(made["small"])  # warm: the first request loads what every request uses
+            for name, data in made.items():
+                if args.scenario and name not in args.scenario:
+                    continue
                 Path(f"/proc/{server.pid}/clear_refs").write_text("5")  # reset the peak RSS to the current RSS
                 base = status_kib(server.pid, "VmRSS")
                 tic = time.perf_counter()
