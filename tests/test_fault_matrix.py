@@ -182,10 +182,11 @@ def test_fault_matrix__ui_serves_no_file_of_the_image_folder(server, matrix):
 
     client = Client(server.url + "/", verbose=False)
     try:
-        gallery = client.predict(handle_file(str(matrix.images / "ok.png")), 2, api_name="/search")
+        update, _, _ = client.predict(handle_file(str(matrix.images / "ok.png")), 2, -1, api_name="/search")
     finally:
         client.close()  # its heartbeat stream would hold the server's shutdown
-    assert len(gallery) == 2 and " · ok.png · " in gallery[0]["caption"]  # results still show, as cached copies
+    gallery = update["value"]  # results still show, as cached copies
+    assert len(gallery) == 2 and "\nok.png\nid " in gallery[0]["caption"], gallery[0]["caption"]
 
 
 def test_fault_matrix__eight_elongated_uploads_at_once_are_refused_quickly(server, matrix):
