@@ -160,6 +160,18 @@ def _refused_global(exc: Exception) -> bool:
     return "unsupported global" in str(exc).lower()
 
 
+def strip_wrappers(state: dict) -> dict:
+    """Drop a leading ``module.`` (DDP) and every ``_orig_mod.`` (torch.compile) from a state dict's keys, should
+    a checkpoint written by other code carry them; ``moco train`` saves the unwrapped model."""
+    out = {}
+    for key, value in state.items():
+        parts = key.split(".")
+        if parts[0] == "module":
+            parts = parts[1:]
+        out[".".join(p for p in parts if p != "_orig_mod")] = value
+    return out
+
+
 def safe_load(path: Path, hint: str = "Use a checkpoint written by `moco train`"):
     """``torch.load(path, weights_only=True)`` on the CPU (format-1 checkpoints' numpy and version classes
     allowed): a file that names any other class or function is refused, so loading never runs its code.

@@ -129,18 +129,6 @@ class EncoderGraph(nn.Module):
 
 
 # -- checkpoint -> backbone ------------------------------------------------------------------------------------
-def _strip_wrappers(state: dict) -> dict:
-    """Drop a leading ``module`` (DDP) and any ``_orig_mod`` (torch.compile wrapper) from the keys, should a
-    checkpoint written by other code carry them; ``moco train`` saves the unwrapped model."""
-    out = {}
-    for key, value in state.items():
-        parts = key.split(".")
-        if parts[0] == "module":
-            parts = parts[1:]
-        out[".".join(p for p in parts if p != "_orig_mod")] = value
-    return out
-
-
 def load_backbone(checkpoint: str | Path) -> tuple[nn.Module, "TrainConfig", dict]:
     """Rebuild a checkpoint's query backbone in eval mode on the CPU (the heads and momentum encoder dropped).
 
@@ -154,7 +142,7 @@ def load_backbone(checkpoint: str | Path) -> tuple[nn.Module, "TrainConfig", dic
         ArtifactError: missing or unreadable file, not a moco-retrieval checkpoint, or weights that do not
             fit the configuration stored with them.
     """
-    from moco_retrieval.trainer.checkpoint import load_checkpoint
+    from moco_retrieval.trainer.checkpoint import load_checkpoint, strip_wrappers
     from moco_retrieval.trainer.config import TrainConfig
     from moco_retrieval.trainer.variants import build_model
 
@@ -179,7 +167,7 @@ def load_backbone(checkpoint: str | Path) -> tuple[nn.Module, "TrainConfig", dic
             "different moco-retrieval version"
         ) from exc
     try:
-        model.load_state_dict(_strip_wrappers(ckpt["model"]))
+        model.load_state_dict(strip_wrappers(ckpt["model"]))
     except RuntimeError as exc:
         first = str(exc).splitlines()[0]
         raise ArtifactError(f"weights of checkpoint {checkpoint} do not fit its configuration ({first})") from exc

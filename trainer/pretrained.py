@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from moco_retrieval.contracts.errors import ArtifactError, ConfigError
-from moco_retrieval.trainer.checkpoint import CHECKPOINT_FORMAT, CHECKPOINT_VERSION, LAST, safe_load
+from moco_retrieval.trainer.checkpoint import CHECKPOINT_FORMAT, CHECKPOINT_VERSION, LAST, safe_load, strip_wrappers
 from moco_retrieval.trainer.config import RESNETS, VITS
 
 LOG = logging.getLogger(__name__)
@@ -140,17 +140,6 @@ def _tensors(obj) -> dict | None:
     return None
 
 
-def _strip(state: dict) -> dict:
-    """Drop a leading ``module.`` (DDP) and every ``_orig_mod.`` (torch.compile) from the keys."""
-    out = {}
-    for key, value in state.items():
-        parts = key.split(".")
-        if parts[0] == "module":
-            parts = parts[1:]
-        out[".".join(p for p in parts if p != "_orig_mod")] = value
-    return out
-
-
 def _split(state: dict, prefix: str) -> dict:
     """The entries under ``prefix`` (``"fc."``), the prefix removed."""
     return {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
@@ -225,7 +214,7 @@ def _own(obj: dict, path: Path, digest: str) -> Pretrained:
         raise ArtifactError(f"{path} was written by a newer moco-retrieval (format {obj['format_version']})")
     try:
         cfg = TrainConfig.from_dict(obj["config"])
-        state = _strip(obj["model"])
+        state = strip_wrappers(obj["model"])
     except (ConfigError, KeyError, TypeError, AttributeError) as exc:
         raise ArtifactError(f"{path}: cannot read its configuration ({exc})") from exc
     backbone = _split(state, "encoder_q.backbone.")
@@ -281,7 +270,7 @@ def read_pretrained(source: str | Path) -> Pretrained:
             f"{path} holds no state dict (a dict of tensors, or one under 'state_dict' / "
             "'model'); pass torchvision, timm, MoCo or moco-retrieval weights"
         )
-    state = _strip(state)
+    state = strip_wrappers(state)
     heads: dict = {}
     head_version = None
     if any(k.startswith("encoder_q.") for k in state):  # facebookresearch/moco v1/v2
