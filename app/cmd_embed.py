@@ -22,6 +22,7 @@ GENERATED = ("labels_csv", "batch_size", "workers", "device", "shard_size", "pro
 
 
 def register(sub) -> None:
+    from moco_retrieval.app.cmd_embeddings import add_npy_flag
     from moco_retrieval.contracts.options import add_arguments
     from moco_retrieval.indexer.config import IndexConfig
 
@@ -38,18 +39,13 @@ def register(sub) -> None:
     p.add_argument(
         "--out", dest="out_dir", required=True, metavar="FILE", help="the Parquet file to write (replaced atomically)"
     )
-    p.add_argument(
-        "--npy",
-        action="store_true",
-        help="vectors to FILE.npy (float32 [N, D]) and the other columns to FILE.parquet, row for row "
-        "(clip-retrieval's layout)",
-    )
+    add_npy_flag(p)
     add_arguments(p, IndexConfig, only=GENERATED)
     p.set_defaults(func=cmd_embed)
 
 
 def cmd_embed(args: argparse.Namespace) -> int:
-    from moco_retrieval.contracts.filenames import display_name
+    from moco_retrieval.app.cmd_index import print_skipped
     from moco_retrieval.contracts.options import from_arguments
     from moco_retrieval.indexer.config import IndexConfig
     from moco_retrieval.indexer.embed_folder import embed_folder
@@ -61,10 +57,5 @@ def cmd_embed(args: argparse.Namespace) -> int:
         f"embedded {run.embedded} images{resumed}; wrote {written.rows} rows ({written.dim}-d) to "
         f"{', '.join(map(str, written.paths))}"
     )
-    if run.skipped:
-        print(f"skipped {len(run.skipped)} unreadable files:")
-        for item in run.skipped[:20]:
-            print(f"  {display_name(item['path'])}: {item['reason']}")
-        if len(run.skipped) > 20:
-            print(f"  ... and {len(run.skipped) - 20} more")
+    print_skipped(run.skipped, f"skipped {len(run.skipped)} unreadable files:")
     return 0

@@ -28,6 +28,16 @@ def cmd_embeddings(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_npy_flag(p: argparse.ArgumentParser) -> None:
+    """``--npy``, as ``moco embeddings`` and ``moco embed`` take it."""
+    p.add_argument(
+        "--npy",
+        action="store_true",
+        help="vectors to FILE.npy (float32 [N, D]) and the other columns to FILE.parquet, row for row "
+        "(clip-retrieval's layout)",
+    )
+
+
 def register(sub) -> None:
     p = sub.add_parser(
         "embeddings",
@@ -39,11 +49,6 @@ def register(sub) -> None:
     )
     p.add_argument("index_dir", metavar="INDEX_DIR", help="an index directory written by `moco index`")
     p.add_argument("--out", required=True, metavar="FILE", help="the Parquet file to write (replaced atomically)")
-    p.add_argument(
-        "--npy",
-        action="store_true",
-        help="vectors to FILE.npy (float32 [N, D]) and the other columns to FILE.parquet, row for row "
-        "(clip-retrieval's layout)",
-    )
+    add_npy_flag(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar (for logs)")
     p.set_defaults(func=cmd_embeddings)

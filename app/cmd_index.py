@@ -134,7 +134,6 @@ def cmd_verify(out: str) -> int:
 
 def print_index_result(result) -> None:
     """The summary table of a ``moco index`` run (and the skipped files, names shown readably)."""
-    from moco_retrieval.contracts.filenames import display_name
     from moco_retrieval.indexer.scan import describe_not_images
 
     t = result.timings
@@ -198,9 +197,17 @@ def print_index_result(result) -> None:
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         print(f"{key:<{width}}  {value}")
-    if result.skipped:
-        print(f"skipped files (also in {result.report_path}):")
-        for item in result.skipped[:20]:
-            print(f"  {display_name(item['path'])}: {item['reason']}")
-        if len(result.skipped) > 20:
-            print(f"  ... and {len(result.skipped) - 20} more")
+    print_skipped(result.skipped, f"skipped files (also in {result.report_path}):")
+
+
+def print_skipped(skipped: list[dict], heading: str, most: int = 20) -> None:
+    """The files a run could not index (``[{path, reason}]``), names shown readably: the first ``most``."""
+    from moco_retrieval.contracts.filenames import display_name
+
+    if not skipped:
+        return
+    print(heading)
+    for item in skipped[:most]:
+        print(f"  {display_name(item['path'])}: {item['reason']}")
+    if len(skipped) > most:
+        print(f"  ... and {len(skipped) - most} more")
