@@ -1,22 +1,45 @@
 """What a search, a classification or an item looks like to a client: one JSON schema for the HTTP API and the
 command line's ``--json`` (``moco search``, ``moco classify``), built here and nowhere else.
 
-A record is shown as :data:`RECORD_FIELDS` with its path and label readable (valid Unicode on one line, ``\\xNN``
-for bytes that are not UTF-8) and the URL of its image on a server (``/api/items/{id}/image``); hits add their
-``score``, an item its ``mtime``. The HTTP API's response models (``serve/http.py``) declare the same fields.
+A record is shown with the fields of :class:`Record` (the HTTP API's response models are these): its path and label
+readable (valid Unicode on one line, ``\\xNN`` for bytes that are not UTF-8) and the URL of its image on a server
+(``/api/items/{id}/image``); hits add their ``score``, items (and the item a search started from) their ``mtime``.
 """
 
 from __future__ import annotations
 
+from pydantic import BaseModel
+
 from moco_retrieval.contracts.filenames import display_name
 
 
-RECORD_FIELDS = ("id", "path", "label", "width", "height", "bytes", "sha256", "duplicate_of")  # what a client sees
+class Record(BaseModel):
+    id: int
+    path: str
+    label: str | None = None
+    width: int | None = None
+    height: int | None = None
+    bytes: int | None = None
+    sha256: str | None = None
+    duplicate_of: int | None = None
+    image_url: str
+
+
+class Hit(Record):
+    score: float
+
+
+class Item(Record):
+    mtime: float | None = None
+
+
+RECORD_FIELDS = tuple(name for name in Record.model_fields if name != "image_url")  # of the stored record
+ITEM_FIELDS = tuple(name for name in Item.model_fields if name not in Record.model_fields)
 
 
 def public_record(record: dict, extra: tuple[str, ...] = ()) -> dict:
     """A stored record (or hit: with its ``score``) as clients see it: :data:`RECORD_FIELDS`, ``image_url``, and
-    the ``extra`` fields asked for (an item's ``mtime``)."""
+    the ``extra`` fields asked for (an item's, :data:`ITEM_FIELDS`)."""
     out = {key: record.get(key) for key in RECORD_FIELDS + extra}
     out.update(
         path=display_name(record["path"]),
@@ -39,8 +62,33 @@ def search_answer(res, k: int, min_score: float | None) -> dict:
         "batch_size": res.batch_size,
     }
     if res.query is not None:
-        body["query"] = public_record(res.query)
+        body["query"] = item_record(res.query)
     return body
+
+
+def item_record(record: dict) -> dict:
+    """An indexed item as clients see it (:class:`Item`)."""
+    return public_record(record, extra=ITEM_FIELDS)
+
+
+def batch_answer(results: list, k: int, min_score: float | None) -> dict:
+    """Several searches: ``{generation, k, min_score, responses: [search answer]}``, in request order."""
+    return {
+        "generation": results[0].generation,
+        "k": k,
+        "min_score": min_score,
+        "responses": [search_answer(res, k, min_score) for res in results],
+    }
+
+
+def duplicates_answer(res, threshold: float) -> dict:
+    """An item's near-duplicates: ``{generation, threshold, query: item, duplicates: [hit]}``."""
+    return {
+        "generation": res.generation,
+        "threshold": threshold,
+        "query": item_record(res.query),
+        "duplicates": [public_record(h) for h in res.hits],
+    }
 
 
 def classify_answer(res, k: int, temperature: float) -> dict:

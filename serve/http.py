@@ -42,7 +42,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from moco_retrieval.contracts.errors import DataError, MocoError, UploadTooLargeError
 from moco_retrieval.contracts.filenames import display_name
 from moco_retrieval.contracts.knn import KNN_K, KNN_TEMPERATURE
-from moco_retrieval.serve.answers import classify_answer, public_record, search_answer
+from moco_retrieval.serve.answers import (
+    Hit,
+    Item,
+    batch_answer,
+    classify_answer,
+    duplicates_answer,
+    item_record,
+    search_answer,
+)
 from moco_retrieval.serve.engine import DUPLICATE_THRESHOLD, EngineConfig, SearchEngine
 
 LOG = logging.getLogger(__name__)
@@ -55,27 +63,7 @@ MULTIPART_ROOM = 64 << 10  # a request body may exceed the upload limit by this 
 UPLOAD_BYTES_IN_FLIGHT = 256 << 20
 
 
-# -- response schemas (for the OpenAPI page; records may carry more fields) -----------------------------------
-class _Record(BaseModel):
-    id: int
-    path: str
-    label: str | None = None
-    width: int | None = None
-    height: int | None = None
-    bytes: int | None = None
-    sha256: str | None = None
-    duplicate_of: int | None = None
-    image_url: str
-
-
-class Hit(_Record):
-    score: float
-
-
-class Item(_Record):
-    mtime: float | None = None
-
-
+# -- response schemas (for the OpenAPI page; the records' own are serve/answers.py's) ---------------------------
 class SearchResponse(BaseModel):
     generation: str
     k: int
@@ -379,12 +367,7 @@ def create_app(
                 observe(res.timings)
         if len(results) == 1:
             return search_answer(results[0], k, min_score)
-        return {
-            "generation": results[0].generation,
-            "k": k,
-            "min_score": min_score,
-            "responses": [search_answer(res, k, min_score) for res in results],
-        }
+        return batch_answer(results, k, min_score)
 
     @app.post("/api/search/ids", response_model=BatchSearchResponse, responses=_ERRORS, tags=["search"])
     def search_ids(
@@ -396,13 +379,7 @@ def create_app(
         """The neighbours of several indexed items (JSON body `{"ids": [...]}`, each item itself left out),
         answered as `responses` in the order of the ids (at most the server's max_queries)."""
         results = engine.search_by_ids(body.ids, k, min_score, filters.filter())
-        k = engine.resolve_k(k, min_score)
-        return {
-            "generation": results[0].generation,
-            "k": k,
-            "min_score": min_score,
-            "responses": [search_answer(res, k, min_score) for res in results],
-        }
+        return batch_answer(results, engine.resolve_k(k, min_score), min_score)
 
     @app.post("/api/classify", response_model=ClassifyResponse, responses=_ERRORS, tags=["search"])
     async def classify(
@@ -424,7 +401,7 @@ def create_app(
     @app.get("/api/items/{item_id}", response_model=Item, responses=_ERRORS, tags=["items"])
     def item(item_id: int):
         """An indexed item's record: relative path, label, size, sha256, duplicate_of."""
-        return public_record(engine.item(item_id), extra=("mtime",))
+        return item_record(engine.item(item_id))
 
     @app.get("/api/items/{item_id}/image", responses=_ERRORS, response_class=Response, tags=["items"])
     def item_image(item_id: int):
@@ -459,13 +436,7 @@ def create_app(
     ):
         """The near-duplicates of an indexed item: every other item at least `threshold` similar (re-encodes,
         crops, resizes, copies), best first; `moco duplicates` groups the whole index the same way."""
-        res = engine.duplicates(item_id, threshold)
-        return {
-            "generation": res.generation,
-            "threshold": threshold,
-            "query": public_record(res.query),
-            "duplicates": [public_record(h) for h in res.hits],
-        }
+        return duplicates_answer(engine.duplicates(item_id, threshold), threshold)
 
     @app.get("/api/health", response_model=Health, tags=["service"])
     def health():
