@@ -71,6 +71,7 @@ from moco_retrieval.indexer.layout import (
 )
 from moco_retrieval.indexer.manifest import IndexManifest, file_sha256
 from moco_retrieval.indexer.metadata import MetadataStore, link_store, materialize
+from moco_retrieval.indexer.records import ItemRecord
 from moco_retrieval.indexer.plan import Plan, plan_full, plan_listed, read_changed_list, scan_listed
 from moco_retrieval.indexer.ranks import Rendezvous, part_of_plan, plan_digest
 from moco_retrieval.indexer.scan import read_labels_csv, scan_folder
@@ -546,23 +547,23 @@ def _compaction_wanted(run: _Run, manifest: IndexManifest) -> bool:
 RECORD_CHUNK = 10_000  # files committed per step of a full build (its records and vectors, not all at once)
 
 
-def _records(run: _Run, readable: list[FoundFile], next_id: int) -> list[dict]:
+def _records(run: _Run, readable: list[FoundFile], next_id: int) -> list[ItemRecord]:
     """New records with fresh ids in path order (so a resumed run gives the same ids)."""
     records = []
     for i, e in enumerate(readable):
         entry = run.shards.lookup(e.path, e.bytes, e.mtime_ns)
         records.append(
-            {
-                "id": next_id + i,
-                "path": e.path,
-                "label": e.label,
-                "width": entry["width"],
-                "height": entry["height"],
-                "bytes": entry["bytes"],
-                "sha256": entry["sha256"],
-                "mtime": e.mtime_ns / 1e9,
-                "mtime_ns": e.mtime_ns,
-            }
+            ItemRecord(
+                id=next_id + i,
+                path=e.path,
+                label=e.label,
+                width=entry["width"],
+                height=entry["height"],
+                bytes=entry["bytes"],
+                sha256=entry["sha256"],
+                mtime=e.mtime_ns / 1e9,
+                mtime_ns=e.mtime_ns,
+            )
         )
     return records
 
@@ -597,7 +598,7 @@ def _commit_full(run: _Run, staging: GenerationPaths, name: str, changes: Change
                     chunk = readable[start : start + RECORD_CHUNK]
                     stored = store.add_items(_records(run, chunk, next_id + start))
                     labels = _label_counts(labels, stored, [])
-                    duplicates += sum(r["duplicate_of"] is not None for r in stored)
+                    duplicates += sum(r.duplicate_of is not None for r in stored)
                     writer.extend(ids[start : start + len(chunk)], run.shards.vectors([e.path for e in chunk]))
             store.replace_skipped(run.plan.skipped)
             final_next_id = store.next_id()
@@ -727,23 +728,23 @@ def _commit_update(run: _Run, staging: GenerationPaths, name: str, changes: Chan
     )
 
 
-def _label_counts(labels: dict, added: list[dict], removed: list[dict]) -> dict:
+def _label_counts(labels: dict, added: list[ItemRecord], removed: list[ItemRecord]) -> dict:
     out = dict(labels)
     for rec in added:
-        if rec["label"] is not None:
-            out[rec["label"]] = out.get(rec["label"], 0) + 1
+        if rec.label is not None:
+            out[rec.label] = out.get(rec.label, 0) + 1
     for rec in removed:
-        if rec.get("label") is not None:
-            out[rec["label"]] -= 1
-            if out[rec["label"]] <= 0:
-                del out[rec["label"]]
+        if rec.label is not None:
+            out[rec.label] -= 1
+            if out[rec.label] <= 0:
+                del out[rec.label]
     return dict(sorted(out.items()))
 
 
-def _duplicate_change(added: list[dict], removed: list[tuple[dict, bool]]) -> int:
+def _duplicate_change(added: list[ItemRecord], removed: list[tuple[ItemRecord, bool]]) -> int:
     """Duplicates = sum over contents of (copies - 1): +1 per added copy of known content, -1 per removed item
     whose content still has live copies (an original's place is taken by its oldest copy)."""
-    return sum(r["duplicate_of"] is not None for r in added) - sum(1 for _, copies_left in removed if copies_left)
+    return sum(r.duplicate_of is not None for r in added) - sum(1 for _, copies_left in removed if copies_left)
 
 
 def _compact(run: _Run, source: str, changes: Changes) -> IndexResult:

@@ -15,6 +15,8 @@ from typing import Callable, Iterator
 
 import numpy as np
 
+from moco_retrieval.indexer.records import ItemRecord
+
 LOG = logging.getLogger(__name__)
 
 DUPLICATE_K = 10  # neighbours looked at per item: groups larger than this still join through chains
@@ -98,7 +100,9 @@ def _vectors(index, ids: np.ndarray) -> np.ndarray:
     return np.stack([index.reconstruct(int(i)) for i in ids]).astype(np.float32)
 
 
-def iter_group_rows(groups: list[DuplicateGroup], records: Callable[[list[int]], list[dict | None]]) -> Iterator[dict]:
+def iter_group_rows(
+    groups: list[DuplicateGroup], records: Callable[[list[int]], list[ItemRecord | None]]
+) -> Iterator[dict]:
     """One row per member: ``group`` (1-based), ``id``, ``path``, ``score`` (its best score within the group)."""
     for number, group in enumerate(groups, 1):
         best: dict[int, float] = {}
@@ -106,4 +110,4 @@ def iter_group_rows(groups: list[DuplicateGroup], records: Callable[[list[int]],
             best[a], best[b] = max(best.get(a, -1.0), s), max(best.get(b, -1.0), s)
         for rec in records(group.ids):
             if rec is not None:
-                yield {"group": number, "id": rec["id"], "path": rec["path"], "score": round(best[rec["id"]], 6)}
+                yield {"group": number, "id": rec.id, "path": rec.path, "score": round(best[rec.id], 6)}

@@ -33,6 +33,7 @@ from moco_retrieval.contracts.errors import ArtifactError
 from moco_retrieval.contracts.filenames import display_name
 from moco_retrieval.indexer.index_dir import IndexDirectory
 from moco_retrieval.indexer.layout import IndexLayout
+from moco_retrieval.indexer.records import ItemRecord
 from moco_retrieval.indexer.vectors import live_blocks
 
 LOG = logging.getLogger(__name__)
@@ -77,7 +78,7 @@ def _raw_bytes(path: str) -> bytes | None:
         return raw
 
 
-def _table(ids: np.ndarray, xb: np.ndarray | None, records: list[dict | None], schema):
+def _table(ids: np.ndarray, xb: np.ndarray | None, records: list[ItemRecord | None], schema):
     """One row group: ``ids`` [m], ``xb`` [m, D] float32 (or None), their records."""
     import pyarrow as pa
 
@@ -86,12 +87,12 @@ def _table(ids: np.ndarray, xb: np.ndarray | None, records: list[dict | None], s
         raise ArtifactError(f"items {missing[:5]} have vectors but no metadata; rebuild with `moco index --rebuild`")
     columns = {
         "id": pa.array(ids, pa.int64()),
-        "path": pa.array([display_name(r["path"]) for r in records], pa.string()),
-        "path_bytes": pa.array([_raw_bytes(r["path"]) for r in records], pa.binary()),
-        "label": pa.array([display_name(r.get("label")) for r in records], pa.string()),
-        "width": pa.array([r.get("width") for r in records], pa.int32()),
-        "height": pa.array([r.get("height") for r in records], pa.int32()),
-        "sha256": pa.array([r.get("sha256") for r in records], pa.string()),
+        "path": pa.array([display_name(r.path) for r in records], pa.string()),
+        "path_bytes": pa.array([_raw_bytes(r.path) for r in records], pa.binary()),
+        "label": pa.array([display_name(r.label) for r in records], pa.string()),
+        "width": pa.array([r.width for r in records], pa.int32()),
+        "height": pa.array([r.height for r in records], pa.int32()),
+        "sha256": pa.array([r.sha256 for r in records], pa.string()),
     }
     if xb is not None:
         flat = pa.array(np.ascontiguousarray(xb, dtype=np.float32).reshape(-1), pa.float32())

@@ -28,6 +28,7 @@ from moco_retrieval.indexer.integrity import check_files
 from moco_retrieval.indexer.layout import IndexLayout, current_generation
 from moco_retrieval.indexer.manifest import IndexManifest
 from moco_retrieval.indexer.metadata import MetadataStore
+from moco_retrieval.indexer.records import ItemRecord
 from moco_retrieval.indexer.searcher import LayeredIndex, open_vectors_lazily
 from moco_retrieval.indexer.update import read_delta, read_removed
 from moco_retrieval.indexer.vectors import BlockVectors
@@ -117,21 +118,21 @@ class IndexDirectory:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def record(self, id: int) -> dict | None:
-        """The item ``id``: {id, path (relative), label, width, height, bytes, sha256, mtime, duplicate_of, ...}.
+    def record(self, id: int) -> ItemRecord | None:
+        """The item ``id`` (path relative to the image folder; ``record["path"]`` reads as ``record.path``).
 
         ``None`` when the id is unknown or was removed (tombstoned).
         """
         return self._store.record(int(id))
 
-    def records(self, ids) -> list[dict | None]:
+    def records(self, ids) -> list[ItemRecord | None]:
         """:meth:`record` for many ids (FAISS's ``I`` row, with its -1 for missing results) in one transaction."""
         return self._store.records([int(i) for i in ids])
 
     def image_path(self, id: int) -> Path | None:
         """The original image file of item ``id`` (absolute), or ``None`` for an unknown id."""
         rec = self.record(id)
-        return None if rec is None else self._image_root / rec["path"]
+        return None if rec is None else self._image_root / rec.path
 
     def labels(self) -> dict[str, int]:
         """label -> number of live items carrying it (unlabeled items are not counted)."""

@@ -2,7 +2,7 @@
 
 Named databases (keys are bytes; ids are 8-byte big-endian so they iterate in id order; values are JSON):
 
-    items       id -> record {id, path, label, width, height, bytes, sha256, mtime, mtime_ns, duplicate_of}
+    items       id -> record (:class:`~indexer.records.ItemRecord`: its JSON, keys sorted)
     paths       relative path -> id            (live items only; keys: see path_key)
     sha256      sha256 hex -> [ids]            (live items with that content; the first is the original)
     tombstones  id -> {id, path, sha256, removed_in}   (ids that were live once; never reused)
@@ -53,6 +53,7 @@ import logging
 import os
 import struct
 import threading
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
@@ -62,6 +63,7 @@ import numpy as np
 from moco_retrieval.contracts.atomic import output_errors
 from moco_retrieval.contracts.errors import ArtifactError, IndexBuildError, OutputError
 from moco_retrieval.contracts.filenames import decode_name, encode_name
+from moco_retrieval.indexer.records import ItemRecord
 
 LOG = logging.getLogger(__name__)
 
@@ -174,6 +176,10 @@ def _dump(obj) -> bytes:
 
 def _load(raw: bytes | memoryview | None):
     return None if raw is None else json.loads(bytes(raw))
+
+
+def _load_item(raw: bytes | memoryview | None) -> ItemRecord | None:
+    return None if raw is None else ItemRecord.from_dict(json.loads(bytes(raw)))
 
 
 # LMDB allows one environment per file per process: read-only opens of the same file share one, counted.
@@ -541,17 +547,18 @@ class MetadataStore:
             return _load(view.get(db, key))
 
     @_reads
-    def record(self, item_id: int) -> dict | None:
+    def record(self, item_id: int) -> ItemRecord | None:
         """The live record of ``item_id``, or ``None`` (unknown or tombstoned)."""
         if item_id < 0:
             return None
-        return self._get("items", id_key(item_id))
+        with self._read() as view:
+            return _load_item(view.get("items", id_key(item_id)))
 
     @_reads
-    def records(self, ids: Iterable[int]) -> list[dict | None]:
+    def records(self, ids: Iterable[int]) -> list[ItemRecord | None]:
         """Records of many ids in one read transaction (``None`` where unknown)."""
         with self._read() as view:
-            return [_load(view.get("items", id_key(i))) if i >= 0 else None for i in ids]
+            return [_load_item(view.get("items", id_key(i))) if i >= 0 else None for i in ids]
 
     @_reads
     def id_of_path(self, path: str) -> int | None:
@@ -617,16 +624,16 @@ class MetadataStore:
             ids = [_load(v) for _, v in view.prefixed("paths", raw)]
             for _, value in view.prefixed("paths", b"\0"):  # long paths: the record has the path
                 item_id = _load(value)
-                if _load(view.get("items", id_key(item_id)))["path"].startswith(prefix):
+                if _load_item(view.get("items", id_key(item_id))).path.startswith(prefix):
                     ids.append(item_id)
         return np.unique(np.asarray(ids, dtype=np.int64))
 
     @_reads
-    def iter_records(self) -> Iterator[dict]:
+    def iter_records(self) -> Iterator[ItemRecord]:
         """All live records in id order."""
         with self._read() as view:
             for _, value in view.items("items"):
-                yield _load(value)
+                yield _load_item(value)
 
     @_reads
     def iter_ids_with_paths(self) -> Iterator[tuple[str, int]]:
@@ -635,7 +642,7 @@ class MetadataStore:
             for key, value in view.items("paths"):
                 item_id = _load(value)
                 if bytes(key[:1]) == b"\0":  # a long path, keyed by its hash: the record has it
-                    yield _load(view.get("items", id_key(item_id)))["path"], item_id
+                    yield _load_item(view.get("items", id_key(item_id))).path, item_id
                 else:
                     yield decode_name(bytes(key)), item_id
 
@@ -646,76 +653,79 @@ class MetadataStore:
             return {info["path"]: info for info in (_load(v) for _, v in view.items("skipped"))}
 
     # -- writing ----------------------------------------------------------------------------------------------
-    def remove_items(self, ids: list[int], generation: str) -> list[tuple[dict, bool]]:
+    def remove_items(self, ids: list[int], generation: str) -> list[tuple[ItemRecord, bool]]:
         """Tombstone ``ids``; when a removed item was the original of duplicates, the next one becomes it.
 
         Returns:
             ``(record, copies_left)`` of each removed item: its record, and whether live items with its content
             remain (then one fewer of them counts as a duplicate).
         """
-        removed: list[dict] = []
+        removed: list[tuple[ItemRecord, bool]] = []
         for start in range(0, len(ids), WRITE_CHUNK):
             chunk = ids[start : start + WRITE_CHUNK]
             removed += self._write(lambda view: [self._remove_one(view, i, generation) for i in chunk])
         return removed
 
-    def _remove_one(self, view: _View, item_id: int, generation: str) -> tuple[dict, bool]:
+    def _remove_one(self, view: _View, item_id: int, generation: str) -> tuple[ItemRecord, bool]:
         key = id_key(item_id)
-        rec = _load(view.get("items", key))
+        rec = _load_item(view.get("items", key))
         if rec is None:
             raise IndexBuildError(
                 f"metadata store {self.path} has no live item {item_id} to remove; rebuild with `moco index --rebuild`"
             )
         view.delete("items", key)
-        if rec.get("label") is not None and self._db.get("labels") is not None:
-            view.delete("labels", label_key(rec["label"], item_id))
+        if rec.label is not None and self._db.get("labels") is not None:
+            view.delete("labels", label_key(rec.label, item_id))
         view.put(
             "tombstones",
             key,
-            _dump({"id": item_id, "path": rec["path"], "sha256": rec["sha256"], "removed_in": generation}),
+            _dump({"id": item_id, "path": rec.path, "sha256": rec.sha256, "removed_in": generation}),
         )
-        if _load(view.get("paths", path_key(rec["path"]))) == item_id:
-            view.delete("paths", path_key(rec["path"]))
-        sha_key = rec["sha256"].encode()
+        if _load(view.get("paths", path_key(rec.path))) == item_id:
+            view.delete("paths", path_key(rec.path))
+        sha_key = rec.sha256.encode()
         same = [i for i in (_load(view.get("sha256", sha_key)) or []) if i != item_id]
         if not same:
             view.delete("sha256", sha_key)
             return rec, False
         view.put("sha256", sha_key, _dump(same))
-        if rec.get("duplicate_of") is None:  # the original went away: the oldest copy takes its place
+        if rec.duplicate_of is None:  # the original went away: the oldest copy takes its place
             for i in same:
-                other = _load(view.get("items", id_key(i)))
-                other["duplicate_of"] = None if i == same[0] else same[0]
-                view.put("items", id_key(i), _dump(other))
+                other = _load_item(view.get("items", id_key(i)))
+                other = replace(other, duplicate_of=None if i == same[0] else same[0])
+                view.put("items", id_key(i), _dump(other.to_dict()))
         return rec, True
 
-    def add_items(self, records: list[dict]) -> list[dict]:
-        """Insert new live records (each with a fresh ``id``); sets ``duplicate_of`` from their sha256.
+    def add_items(self, records: list[ItemRecord | dict]) -> list[ItemRecord]:
+        """Insert new live records (each with a fresh ``id``; a dict is read with
+        :meth:`~indexer.records.ItemRecord.from_dict`); sets ``duplicate_of`` from their sha256.
 
         Returns:
             the records as stored (``duplicate_of`` set).
         """
-        stored: list[dict] = []
+        stored: list[ItemRecord] = []
         for start in range(0, len(records), WRITE_CHUNK):
             chunk = records[start : start + WRITE_CHUNK]
             stored += self._write(lambda view: [self._add_one(view, r) for r in chunk])
         return stored
 
-    def _add_one(self, view: _View, rec: dict) -> dict:
-        key = id_key(rec["id"])
+    def _add_one(self, view: _View, rec: ItemRecord | dict) -> ItemRecord:
+        if isinstance(rec, dict):
+            rec = ItemRecord.from_dict(rec)
+        key = id_key(rec.id)
         if view.get("items", key) is not None or view.get("tombstones", key) is not None:
-            raise IndexBuildError(f"id {rec['id']} is already used in {self.path}; rebuild with `moco index --rebuild`")
-        sha_key = rec["sha256"].encode()
+            raise IndexBuildError(f"id {rec.id} is already used in {self.path}; rebuild with `moco index --rebuild`")
+        sha_key = rec.sha256.encode()
         same = _load(view.get("sha256", sha_key)) or []
-        rec = dict(rec, duplicate_of=same[0] if same else None)
-        view.put("items", key, _dump(rec))
-        if rec.get("label") is not None and self._db.get("labels") is not None:
-            view.put("labels", label_key(rec["label"], rec["id"]), _dump(1))
-        view.put("paths", path_key(rec["path"]), _dump(rec["id"]))
-        view.put("sha256", sha_key, _dump(same + [rec["id"]]))
+        rec = replace(rec, duplicate_of=same[0] if same else None)
+        view.put("items", key, _dump(rec.to_dict()))
+        if rec.label is not None and self._db.get("labels") is not None:
+            view.put("labels", label_key(rec.label, rec.id), _dump(1))
+        view.put("paths", path_key(rec.path), _dump(rec.id))
+        view.put("sha256", sha_key, _dump(same + [rec.id]))
         next_id = _load(view.get("info", b"next_id")) or 0
-        if rec["id"] >= next_id:
-            view.put("info", b"next_id", _dump(rec["id"] + 1))
+        if rec.id >= next_id:
+            view.put("info", b"next_id", _dump(rec.id + 1))
         return rec
 
     def set_next_id(self, next_id: int) -> None:

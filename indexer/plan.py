@@ -22,6 +22,7 @@ from pathlib import Path
 
 from moco_retrieval.contracts.errors import ConfigError, DataError
 from moco_retrieval.indexer.metadata import MetadataStore
+from moco_retrieval.indexer.records import ItemRecord
 from moco_retrieval.contracts.images import FoundFile, find_image_file
 from moco_retrieval.indexer.scan import ScanResult
 
@@ -83,10 +84,10 @@ def plan_full(entries: list[FoundFile], store: MetadataStore | None) -> Plan:
     """Split the scanned files into unchanged, to-embed (new or changed) and removed, against ``store``."""
     if store is None:
         return Plan(todo=list(entries), changed_ids={}, removed_ids=[], unchanged=0, skipped={})
-    records = {rec["path"]: rec for rec in store.iter_records()}  # one pass in id order: 2x faster than by path
+    records = {rec.path: rec for rec in store.iter_records()}  # one pass in id order: 2x faster than by path
     plan = _compare(entries, records, store.skipped())
     present = {e.path for e in entries}
-    plan.removed_ids = sorted(rec["id"] for path, rec in records.items() if path not in present)
+    plan.removed_ids = sorted(rec.id for path, rec in records.items() if path not in present)
     return plan
 
 
@@ -97,7 +98,7 @@ def plan_listed(entries: list[FoundFile], gone: list[str], store: MetadataStore 
     listed = [e.path for e in entries] + gone
     ids = {p: store.id_of_path(p) for p in listed}
     found = [i for i in ids.values() if i is not None]
-    records = {rec["path"]: rec for rec in store.records(found) if rec is not None}
+    records = {rec.path: rec for rec in store.records(found) if rec is not None}
     old_skipped = store.skipped()
     plan = _compare(entries, records, old_skipped)
     # unreadable files not listed stay remembered as they were
@@ -108,11 +109,11 @@ def plan_listed(entries: list[FoundFile], gone: list[str], store: MetadataStore 
     return plan
 
 
-def _compare(entries: list[FoundFile], records: dict[str, dict], old_skipped: dict[str, dict]) -> Plan:
+def _compare(entries: list[FoundFile], records: dict[str, ItemRecord], old_skipped: dict[str, dict]) -> Plan:
     todo, changed, unchanged, skipped = [], {}, 0, {}
     for e in entries:
         rec = records.get(e.path)
-        if rec is not None and rec["bytes"] == e.bytes and rec["mtime_ns"] == e.mtime_ns and rec["label"] == e.label:
+        if rec is not None and rec.bytes == e.bytes and rec.mtime_ns == e.mtime_ns and rec.label == e.label:
             unchanged += 1
             continue
         was_skipped = old_skipped.get(e.path)
@@ -120,6 +121,6 @@ def _compare(entries: list[FoundFile], records: dict[str, dict], old_skipped: di
             skipped[e.path] = was_skipped  # still the same unreadable file: not read again
             continue
         if rec is not None:
-            changed[e.path] = rec["id"]
+            changed[e.path] = rec.id
         todo.append(e)
     return Plan(todo=todo, changed_ids=changed, removed_ids=[], unchanged=unchanged, skipped=skipped)

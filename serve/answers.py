@@ -11,6 +11,7 @@ from __future__ import annotations
 from pydantic import BaseModel
 
 from moco_retrieval.contracts.filenames import display_name
+from moco_retrieval.indexer.records import FIELDS
 
 
 class Record(BaseModel):
@@ -33,8 +34,9 @@ class Item(Record):
     mtime: float | None = None
 
 
-RECORD_FIELDS = tuple(name for name in Record.model_fields if name != "image_url")  # of the stored record
-ITEM_FIELDS = tuple(name for name in Item.model_fields if name not in Record.model_fields)
+# the fields of the stored record (:class:`~indexer.records.ItemRecord`) the models show, in its order
+RECORD_FIELDS = tuple(name for name in FIELDS if name in Record.model_fields)
+ITEM_FIELDS = tuple(name for name in FIELDS if name in Item.model_fields and name not in Record.model_fields)
 
 
 def public_record(record: dict, extra: tuple[str, ...] = ()) -> dict:

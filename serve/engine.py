@@ -45,6 +45,7 @@ from moco_retrieval.contracts.images import decode_image
 from moco_retrieval.contracts.knn import KNN_TEMPERATURE, SEARCH_K
 from moco_retrieval.indexer.encoder import available_cores
 from moco_retrieval.indexer.layout import current_generation
+from moco_retrieval.indexer.records import ItemRecord
 from moco_retrieval.serve.batching import MicroBatcher
 from moco_retrieval.serve.config import DUPLICATE_THRESHOLD, MAX_K, MAX_QUERIES, EngineConfig  # noqa: F401 (API)
 from moco_retrieval.serve.files import open_indexed_file
@@ -367,7 +368,7 @@ class SearchEngine:
             records = gen.directory.records(ids)
             score = {int(i): float(s) for s, i in zip(D, I)}
             hits = [
-                dict(rec, score=score[rec["id"]])
+                dict(rec.to_dict(), score=score[rec.id])
                 for rec in records
                 if rec is not None and (flt is None or flt.accepts(rec))
             ]
@@ -563,7 +564,7 @@ class SearchEngine:
             "metadata": t3 - t2,
             "total": t3 - t0,
         }
-        return SearchResult(hits, gen.name, timings, 1, query=query)
+        return SearchResult(hits, gen.name, timings, 1, query=query.to_dict())
 
     def search_by_id(
         self, item_id: int, k: int | None = None, min_score: float | None = None, flt: SearchFilter | None = None
@@ -662,7 +663,7 @@ class SearchEngine:
 
     # -- items and statistics ----------------------------------------------------------------------------------
     @staticmethod
-    def _record(gen: ServedGeneration, item_id: int) -> dict:
+    def _record(gen: ServedGeneration, item_id: int) -> ItemRecord:
         rec = gen.directory.record(int(item_id)) if 0 <= int(item_id) < 2**63 else None
         if rec is None:
             raise UnknownItemError(f"no item with id {item_id} in this index; ids come from search results")
@@ -671,7 +672,7 @@ class SearchEngine:
     def item(self, item_id: int) -> dict:
         """The record of a live item. Raises UnknownItemError."""
         with self._generation() as gen:
-            return self._record(gen, item_id)
+            return self._record(gen, item_id).to_dict()
 
     def open_image(self, item_id: int):
         """``(open binary file, fstat, record)`` of a live item's image, only while it is still the indexed file
@@ -684,7 +685,7 @@ class SearchEngine:
             rec = self._record(gen, item_id)
             root = gen.manifest.image_root
         f, st = open_indexed_file(root, rec)
-        return f, st, rec
+        return f, st, rec.to_dict()
 
     def labels(self) -> dict[str, int]:
         """label -> live item count of the live generation (empty for an unlabeled corpus)."""
@@ -703,8 +704,8 @@ class SearchEngine:
             by_label: dict[str | None, list[dict]] = {}
             for start in range(0, next_id, 1024):
                 for rec in gen.directory.records(range(start, min(next_id, start + 1024))):
-                    if rec is not None and len(by_label.setdefault(rec.get("label"), [])) < n:
-                        by_label[rec.get("label")].append(rec)
+                    if rec is not None and len(by_label.setdefault(rec.label, [])) < n:
+                        by_label[rec.label].append(rec.to_dict())
                 if sum(map(len, by_label.values())) >= n * max(1, len(gen.labels())):
                     break
         picked, rounds = [], list(by_label.values())

@@ -24,19 +24,20 @@ from typing import BinaryIO
 from moco_retrieval.contracts.errors import ImageGoneError
 from moco_retrieval.contracts.filenames import display_name
 from moco_retrieval.contracts.images import is_inside
+from moco_retrieval.indexer.records import ItemRecord
 
 
-def open_indexed_file(image_root: str | os.PathLike, record: dict) -> tuple[BinaryIO, os.stat_result]:
+def open_indexed_file(image_root: str | os.PathLike, record: ItemRecord) -> tuple[BinaryIO, os.stat_result]:
     """``(open binary file, its fstat)`` of ``record``'s image under ``image_root``, checked as above.
 
     Raises:
         ImageGoneError: the file is gone, outside the image folder, not a regular file, or changed since it was
             indexed.
     """
-    what = f"the image of item {record['id']} ({display_name(record['path'])})"
+    what = f"the image of item {record.id} ({display_name(record.path)})"
     rerun = "re-run `moco index` to update the index"
     real_root = os.path.realpath(image_root)
-    real = os.path.realpath(Path(image_root) / record["path"])
+    real = os.path.realpath(Path(image_root) / record.path)
     if not is_inside(real, real_root):
         raise ImageGoneError(f"{what} now resolves outside the image folder; not served ({rerun})")
     flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
@@ -50,9 +51,9 @@ def open_indexed_file(image_root: str | os.PathLike, record: dict) -> tuple[Bina
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise ImageGoneError(f"{what} is no longer a regular file; {rerun}")
-        if st.st_size != record.get("bytes", st.st_size) or st.st_mtime_ns != record.get("mtime_ns", st.st_mtime_ns):
+        if st.st_size != record.bytes or st.st_mtime_ns != record.mtime_ns:
             raise ImageGoneError(
-                f"{what} changed since it was indexed ({st.st_size} bytes now, {record.get('bytes')} indexed); {rerun}"
+                f"{what} changed since it was indexed ({st.st_size} bytes now, {record.bytes} indexed); {rerun}"
             )
         return os.fdopen(fd, "rb"), st
     except BaseException:

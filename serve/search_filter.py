@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from moco_retrieval.contracts.errors import ConfigError
+from moco_retrieval.indexer.records import ItemRecord
 
 
 @dataclass(frozen=True)
@@ -52,13 +53,11 @@ class SearchFilter:
     def sized(self) -> bool:
         return any(v is not None for v in (self.min_width, self.max_width, self.min_height, self.max_height))
 
-    def accepts(self, rec: dict) -> bool:
+    def accepts(self, rec: ItemRecord) -> bool:
         """Whether a record's image size is in the range (the id conditions are the selector's)."""
         if not self.sized:
             return True
-        w, h = rec.get("width"), rec.get("height")
-        if w is None or h is None:
-            return False
+        w, h = rec.width, rec.height
         return (
             (self.min_width is None or w >= self.min_width)
             and (self.max_width is None or w <= self.max_width)

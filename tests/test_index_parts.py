@@ -158,6 +158,25 @@ def test_metadata__duplicates_tombstones_and_promotion(tmp_path):
     ro2.close()
 
 
+def test_item_record__stored_json_round_trips_byte_for_byte(tmp_path):
+    from moco_retrieval.indexer.records import FIELDS, ItemRecord
+    from moco_retrieval.serve.answers import Item
+
+    with MetadataStore(tmp_path / "m", readonly=False) as store:
+        (stored,) = store.add_items([_rec(0, "a.png", "s1")])
+        with store.env.begin() as txn:
+            raw = bytes(txn.get(metadata.id_key(0), db=store._db["items"]))
+    # the JSON as this code always wrote it: a dict with sorted keys, duplicate_of set
+    assert (
+        raw
+        == json.dumps(dict(_rec(0, "a.png", "s1"), duplicate_of=None), separators=(",", ":"), sort_keys=True).encode()
+    )
+    assert ItemRecord.from_dict(json.loads(raw)) == stored and list(stored.to_dict()) == sorted(FIELDS)
+    assert stored["path"] == stored.path == "a.png"
+    # what clients see of a record are fields of the stored one (plus image_url and score)
+    assert set(Item.model_fields) - {"image_url"} <= set(FIELDS)
+
+
 def test_metadata__map_grows_when_full(tmp_path, monkeypatch):
     monkeypatch.setattr(metadata, "INITIAL_MAP_SIZE", 256 << 10)
     with MetadataStore(tmp_path / "m", readonly=False) as store:
