@@ -6,23 +6,14 @@ publish what changed.
    are embedded; vanished ones removed;
 2. embed (``indexer.embed``): into resumable shards (``indexer.shards``); under ``torchrun`` every rank embeds
    its share of the plan and rank 0 waits for the others (``indexer.ranks``), then does the rest alone;
-3. commit: one of three strategies assembles a staging generation and returns it as a ``GenerationDraft``:
-
-   - a **full build** (first run, ``--rebuild``): a fresh metadata store, every vector as a block
-     (``indexer.vectors``), a FAISS index trained and filled from them (``indexer.faiss_index``, on disk past
-     the memory budget), recall tuned;
-   - an **update** (``indexer.update``): the predecessor's base shared by hard links, its small delta
-     copied and extended with what changed, removed base ids appended. Costs what changed;
-   - a **compaction**, published right after an update once the changes pass 5% of the base and 1,000
-     items (or the index type must change, or ``--compact now``): metadata layers folded into one, vector
-     blocks merged, the FAISS index rebuilt from the live vectors (IVF keeps its trained lists), recall
-     re-measured;
-
+3. commit (``indexer.commit``): one of three strategies (a full build, an update, or a compaction, published
+   right after an update once the changes pass 5% of the base and 1,000 items, or the index type must change,
+   or ``--compact now``) assembles a staging generation and returns it as a ``GenerationDraft``;
 4. publish: one ``_publish`` writes the draft's manifest, opens the generation as a server would and makes it
    live atomically (``indexer.layout.publish``); one ``_result`` makes the report from the live manifest.
    The work shards are deleted after the last publish; the seconds of every phase are on one ``Stopwatch``.
 
-A run that changes nothing publishes nothing.
+A run that changes nothing publishes nothing. The values the phases pass on are ``indexer.build_types``'.
 """
 
 from __future__ import annotations
@@ -30,36 +21,33 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import time
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import numpy as np
 
-from moco_retrieval.contracts.atomic import (
-    atomic_write,
-    copy_atomic,
-    link_or_copy_atomic,
-    output_errors,
-    write_json_atomic,
-)
+from moco_retrieval.contracts.atomic import link_or_copy_atomic, output_errors, write_json_atomic
 from moco_retrieval.contracts.encoder_format import model_summary
 from moco_retrieval.contracts.errors import ArtifactError, ConfigError, DataError, OutputError
 from moco_retrieval.contracts.filenames import display_name
-from moco_retrieval.contracts.images import FoundFile
 from moco_retrieval.contracts.launch import WorldInfo, world_info_from_env
 from moco_retrieval.contracts.locks import writer_lock
 from moco_retrieval.indexer import faiss_index, integrity, update
+from moco_retrieval.indexer.build_types import (
+    Changes,
+    GenerationDraft,
+    IndexResult,
+    Run,
+    Stopwatch,
+)
+from moco_retrieval.indexer.commit import commit_compaction, commit_full, commit_update, wanted_index
+from moco_retrieval.indexer.config import IndexConfig
 from moco_retrieval.indexer.embed import Embedder, FolderEmbedder
 from moco_retrieval.indexer.encoder import OnnxEncoder, available_cores, read_encoder_metadata
-from moco_retrieval.indexer.config import IndexConfig
-from moco_retrieval.indexer.factory import Factory
 from moco_retrieval.indexer.index_dir import IndexDirectory
 from moco_retrieval.indexer.layout import (
     ENCODER_FILE,
-    LMDB_DATA_FILE,
-    META_DIR,
     GenerationPaths,
     IndexLayout,
     generation_name,
@@ -69,14 +57,13 @@ from moco_retrieval.indexer.layout import (
     remove_stale_staging,
     utc_now,
 )
-from moco_retrieval.indexer.manifest import IndexManifest, file_sha256
-from moco_retrieval.indexer.metadata import MetadataStore, link_store, materialize
-from moco_retrieval.indexer.records import ItemRecord
+from moco_retrieval.indexer.manifest import IndexManifest
+from moco_retrieval.indexer.metadata import MetadataStore
 from moco_retrieval.indexer.plan import Plan, plan_full, plan_listed, read_changed_list, scan_listed
 from moco_retrieval.indexer.ranks import Rendezvous, part_of_plan, plan_digest
 from moco_retrieval.indexer.scan import read_labels_csv, scan_folder
 from moco_retrieval.indexer.shards import WorkShards, discard_other_models
-from moco_retrieval.indexer.vectors import BlockVectors, BlockWriter, block_dtype, block_exists, live_blocks
+from moco_retrieval.indexer.vectors import block_dtype
 
 LOG = logging.getLogger(__name__)
 
@@ -88,129 +75,6 @@ def default_workers(world: WorldInfo | None = None) -> int:
     if world is not None and world.local_world_size > 1:
         return max(0, min(16, cores - 1))
     return max(1, min(16, cores - 1))
-
-
-@dataclass
-class IndexResult:
-    """What a run did. ``generation`` is the live one afterwards; ``published`` says if this run made it."""
-
-    index_dir: str
-    generation: str
-    published: bool
-    count: int
-    added: int
-    updated: int
-    removed: int
-    unchanged: int
-    duplicates: int
-    embedded: int  # files decoded + embedded by this run (resumed ones not included)
-    resumed: int  # results taken from the shards of an interrupted run
-    skipped: list[dict]  # [{path, reason}] files that could not be indexed
-    factory: str
-    recall_at_10: float | None
-    search_params: dict
-    timings: dict  # seconds: scan, plan, embed (...), commit, index, publish, compact, total
-    report_path: str
-    mode: str = "build"  # build, update, compaction, unchanged, or rank (a rank > 0: embedded only)
-    compacted: str | None = None  # the generation a compaction published after the update, if any
-    rank: int = 0
-    world_size: int = 1
-    delta_count: int = 0
-    removed_count: int = 0
-    not_images: dict = field(default_factory=dict)  # extension -> files of the folder passed over for it
-    reattached: str | None = None  # the folder this index was built from, when this run moved it to image_dir
-
-
-class Stopwatch:
-    """Where the seconds of one run went: one total per phase (``scan``, ``plan``, ``embed``, ``commit``,
-    ``index``, ``publish``, ``compact_*`` ...), added up when a phase runs more than once."""
-
-    def __init__(self):
-        self.started = time.perf_counter()
-        self.seconds: dict[str, float] = {}
-
-    @contextmanager
-    def phase(self, name: str):
-        tic = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.add(name, time.perf_counter() - tic)
-
-    def add(self, name: str, seconds: float) -> None:
-        self.seconds[name] = self.seconds.get(name, 0.0) + seconds
-
-    def report(self) -> dict[str, float]:
-        """Every phase so far, and ``total``: the seconds since the run started."""
-        return {**self.seconds, "total": time.perf_counter() - self.started}
-
-
-@dataclass
-class _Run:
-    """What one run knows, from planning to publishing: its inputs, the live generation it follows, the plan,
-    the work shards, what its embedder did and its stopwatch."""
-
-    cfg: IndexConfig
-    layout: IndexLayout
-    image_root: Path
-    world: WorldInfo
-    clock: Stopwatch
-    embedder: Embedder | None = None
-    previous: str | None = None  # the live generation this run follows
-    prev_manifest: IndexManifest | None = None
-    base: IndexManifest | None = None  # the manifest an update builds on (None: a full build)
-    plan: Plan | None = None
-    shards: WorkShards | None = None
-    embedded: int = 0  # files decoded and embedded by this run
-    resumed: int = 0  # results taken from the shards of an interrupted run
-    not_images: dict[str, int] = field(default_factory=dict)  # what the scan passed over, by extension
-    reattached: str | None = None  # the old image folder, when --reattach moves the index here
-
-    @property
-    def encoder(self):
-        return self.embedder.encoder
-
-    def embed(self, entries: list[FoundFile]) -> None:
-        """Embed ``entries`` into the shards; counts go on the run, seconds on its stopwatch."""
-        stats = dict(self.embedder.embed_into(entries, self.shards, progress=self.cfg.progress))
-        self.embedded += stats.pop("embedded", 0)
-        self.resumed += stats.pop("resumed", 0)
-        for phase, seconds in stats.items():
-            self.clock.add(phase, seconds)
-
-
-@dataclass(frozen=True)
-class Changes:
-    """What the embedded plan does to the index: the files that go in, and the figures the report gives."""
-
-    readable: list[FoundFile]  # new and changed files that were embedded, in path order
-    added: int
-    updated: int
-    removed: int  # vanished files, and changed ones that became unreadable
-    skipped: list[dict]  # [{path, reason}] every file that could not be indexed, by path
-
-
-@dataclass
-class GenerationDraft:
-    """A generation assembled in staging by one of the three commit strategies (full build, update,
-    compaction): everything its manifest says beyond what the run itself knows."""
-
-    name: str
-    built: faiss_index.BuiltIndex  # the FAISS side: factory, search parameters, recall, where it was built
-    count: int  # live items
-    next_id: int
-    duplicates: int
-    labels: dict[str, int]  # label -> live items
-    blocks: list[str]  # vector blocks, oldest first
-    dtype: np.dtype  # of the vector blocks
-    base_count: int
-    base_next_id: int
-    base_generation: str
-    files: dict[str, dict]  # the generation's files: size and sha256 (``indexer.integrity``)
-    block_files: dict[str, dict]  # the same for the vector blocks' files
-    delta_count: int = 0
-    removed_count: int = 0
-    created_at: str | None = None  # None: the index's (a first build: now)
 
 
 @contextmanager
@@ -259,7 +123,7 @@ def build_index_dir(cfg: IndexConfig, embedder: Embedder | None = None, scanner=
     if not os.access(layout.root, os.W_OK):
         raise OutputError(f"cannot write {layout.root} (permission denied); choose a writable --out")
     labels = read_labels_csv(cfg.labels_csv) if cfg.labels_csv else None
-    run = _Run(cfg, layout, image_root, world, clock, embedder)
+    run = Run(cfg, layout, image_root, world, clock, embedder)
     if world.rank != 0:  # no lock: rank 0 holds it for the whole run, the others only write their shards
         _plan(run, labels, scanner, _live_generation(layout, cfg.rebuild))
         _embed_share(run)
@@ -316,7 +180,7 @@ def _open_embedder(cfg: IndexConfig, image_root: Path, world: WorldInfo) -> Fold
     return FolderEmbedder(encoder, image_root, cfg.batch_size, workers)
 
 
-def _plan(run: _Run, labels, scanner, live: str | None) -> None:
+def _plan(run: Run, labels, scanner, live: str | None) -> None:
     """Check what the run follows, scan, open the encoder, and compare the folder with the live generation:
     sets the run's ``previous``, ``prev_manifest``, ``base``, ``plan`` and ``shards``."""
     cfg, layout, image_root, world = run.cfg, run.layout, run.image_root, run.world
@@ -383,7 +247,7 @@ def _plan(run: _Run, labels, scanner, live: str | None) -> None:
         for rel, reason in scan.skipped:
             run.plan.skipped[rel] = {"path": rel, "bytes": 0, "mtime_ns": 0, "reason": reason}
     expected = (run.base.count if run.base else 0) + len(run.plan.todo) - len(run.plan.removed_ids)
-    factory = _wanted(cfg, max(expected, 1), encoder.embedding_dim).factory
+    factory = wanted_index(cfg, max(expected, 1), encoder.embedding_dim).factory
     dtype = block_dtype(factory if run.base is None else run.base.factory)
     run.shards = WorkShards(
         layout.work, encoder.sha256, encoder.embedding_dim, cfg.shard_size, rank=world.rank, dtype=dtype
@@ -411,14 +275,10 @@ def _open_store(gen: GenerationPaths) -> MetadataStore:
     return MetadataStore(gen.meta, delta=gen.delta_meta if gen.delta_meta.is_dir() else None)
 
 
-def _wanted(cfg: IndexConfig, n: int, d: int) -> faiss_index.IndexChoice:
-    return faiss_index.choose_index(cfg.index_type, n, d, budget=cfg.max_index_memory)
-
-
 # --- 2. embed ------------------------------------------------------------------------------------------------
 
 
-def _embed_share(run: _Run) -> None:
+def _embed_share(run: Run) -> None:
     """Embed this rank's part of the plan into the shards (rank > 0 then says it is done)."""
     cfg, world, plan = run.cfg, run.world, run.plan
     part = part_of_plan(plan.todo, world.rank, world.world_size, cfg.shard_size)
@@ -432,7 +292,7 @@ def _embed_share(run: _Run) -> None:
         rendezvous.mark_done(plan_digest(part), len(part))
 
 
-def _wait_for_ranks(run: _Run) -> None:
+def _wait_for_ranks(run: Run) -> None:
     """Rank 0 of several: wait for the others' shards, then embed whatever they did not."""
     cfg, world, plan, shards = run.cfg, run.world, run.plan, run.shards
     if world.world_size == 1:
@@ -454,7 +314,7 @@ def _wait_for_ranks(run: _Run) -> None:
 # --- 3. commit -----------------------------------------------------------------------------------------------
 
 
-def _commit(run: _Run) -> IndexResult:
+def _commit(run: Run) -> IndexResult:
     """Turn the embedded plan into the next generation by one of the three strategies, and publish it (or
     nothing, when nothing changed)."""
     layout, base = run.layout, run.base
@@ -478,9 +338,9 @@ def _commit(run: _Run) -> IndexResult:
     name = generation_name(generation_number(run.previous) + 1 if run.previous else 1)
     with _staging(layout) as staging:
         if base is None:
-            draft = _commit_full(run, staging, name, changes)
+            draft = commit_full(run, staging, name, changes)
         else:
-            draft = _commit_update(run, staging, name, changes)
+            draft = commit_update(run, staging, name, changes)
         manifest = _publish(run, staging, draft, changes, previous=run.previous)
     result = _result(run, "build" if base is None else "update", manifest, changes, published=True)
     _write_report(run, result)
@@ -493,7 +353,7 @@ def _commit(run: _Run) -> IndexResult:
     return result
 
 
-def _changes(run: _Run) -> Changes:
+def _changes(run: Run) -> Changes:
     """What the embedded plan changes: files the encoder could not read join the skipped ones (a changed
     file that became unreadable is removed from the index)."""
     plan, shards = run.plan, run.shards
@@ -523,7 +383,7 @@ def _skipped_list(plan: Plan) -> list[dict]:
     return [{"path": s["path"], "reason": s["reason"]} for s in sorted(plan.skipped.values(), key=lambda s: s["path"])]
 
 
-def _nothing_changed(run: _Run) -> bool:
+def _nothing_changed(run: Run) -> bool:
     """No file to add, update or remove, the same folder, and the same unreadable files as the live generation
     remembers."""
     if run.plan.todo or run.plan.removed_ids or run.reattached is not None:
@@ -532,11 +392,11 @@ def _nothing_changed(run: _Run) -> bool:
         return store.skipped() == run.plan.skipped
 
 
-def _compaction_wanted(run: _Run, manifest: IndexManifest) -> bool:
+def _compaction_wanted(run: Run, manifest: IndexManifest) -> bool:
     cfg = run.cfg
     if cfg.compact == "now":
         return True
-    wanted = _wanted(cfg, max(1, manifest.count), manifest.embedding_dim)
+    wanted = wanted_index(cfg, max(1, manifest.count), manifest.embedding_dim)
     restructure = not faiss_index.same_structure(manifest.factory, wanted.factory) or wanted.on_disk != manifest.on_disk
     if restructure and (cfg.compact == "auto" or cfg.index_type != "auto"):  # never: only an explicit new type
         LOG.info("%s is now %s%s: rebuilding", manifest.factory, wanted.factory, " on disk" if wanted.on_disk else "")
@@ -544,214 +404,11 @@ def _compaction_wanted(run: _Run, manifest: IndexManifest) -> bool:
     return cfg.compact == "auto" and update.needs_compaction(manifest)
 
 
-RECORD_CHUNK = 10_000  # files committed per step of a full build (its records and vectors, not all at once)
-
-
-def _records(run: _Run, readable: list[FoundFile], next_id: int) -> list[ItemRecord]:
-    """New records with fresh ids in path order (so a resumed run gives the same ids)."""
-    records = []
-    for i, e in enumerate(readable):
-        entry = run.shards.lookup(e.path, e.bytes, e.mtime_ns)
-        records.append(
-            ItemRecord(
-                id=next_id + i,
-                path=e.path,
-                label=e.label,
-                width=entry["width"],
-                height=entry["height"],
-                bytes=entry["bytes"],
-                sha256=entry["sha256"],
-                mtime=e.mtime_ns / 1e9,
-                mtime_ns=e.mtime_ns,
-            )
-        )
-    return records
-
-
-def _write_block(
-    run: _Run, name: str, ids: np.ndarray, vectors: np.ndarray, dtype
-) -> tuple[list[str], dict[str, dict]]:
-    """The block of this run's new vectors (none when there are none), and its files' records."""
-    if not len(ids):
-        return [], {}
-    with BlockWriter(run.layout, name, len(ids), vectors.shape[1], dtype) as writer:
-        writer.extend(ids, vectors)
-    return [name], writer.records
-
-
-def _commit_full(run: _Run, staging: GenerationPaths, name: str, changes: Changes) -> GenerationDraft:
-    """A generation from scratch: one-layer metadata, every vector in one block, a freshly trained index.
-    Records and vectors go through in chunks, so 10M files never sit in memory as records or float32 rows."""
-    cfg, encoder, readable = run.cfg, run.encoder, changes.readable
-    choice = _wanted(cfg, len(readable), encoder.embedding_dim)
-    dtype = block_dtype(choice.factory)
-    with run.clock.phase("commit"):
-        labels, duplicates = {}, 0
-        with MetadataStore(staging.meta, readonly=False) as store:
-            if run.prev_manifest is not None:  # --rebuild: ids continue, never reused
-                store.set_next_id(run.prev_manifest.next_id)
-            next_id = store.next_id()
-            ids = np.arange(next_id, next_id + len(readable), dtype=np.int64)
-            blocks = [name] if readable else []
-            with BlockWriter(run.layout, name, len(readable), encoder.embedding_dim, dtype) as writer:
-                for start in range(0, len(readable), RECORD_CHUNK):
-                    chunk = readable[start : start + RECORD_CHUNK]
-                    stored = store.add_items(_records(run, chunk, next_id + start))
-                    labels = _label_counts(labels, stored, [])
-                    duplicates += sum(r.duplicate_of is not None for r in stored)
-                    writer.extend(ids[start : start + len(chunk)], run.shards.vectors([e.path for e in chunk]))
-            store.replace_skipped(run.plan.skipped)
-            final_next_id = store.next_id()
-            store.sync()
-    with run.clock.phase("index"):
-        built = _build_faiss(run, staging, choice, ids, blocks)
-        _copy_encoder(run, staging)
-    with run.clock.phase("checksums"):
-        files = integrity.record_files(staging, integrity.encoder_record(staging, encoder.sha256))
-        block_files = integrity.record_blocks(run.layout, blocks, writer.records)
-    return GenerationDraft(
-        name,
-        built,
-        count=len(ids),
-        next_id=final_next_id,
-        duplicates=duplicates,
-        labels=labels,
-        blocks=blocks,
-        dtype=dtype,
-        base_count=len(ids),
-        base_next_id=final_next_id,
-        base_generation=name,
-        files=files,
-        block_files=block_files,
-    )
-
-
-def _build_faiss(
-    run: _Run,
-    staging: GenerationPaths,
-    choice: faiss_index.IndexChoice,
-    live_ids: np.ndarray,
-    blocks: list[str],
-    trained=None,
-) -> faiss_index.BuiltIndex:
-    """Train (unless ``trained``), fill, tune and write the base index of ``staging`` from ``blocks``."""
-    layout, encoder = run.layout, run.encoder
-    vectors = BlockVectors(layout, blocks) if Factory.parse(choice.factory).pq_codes else None
-    built = faiss_index.build_index(
-        choice.factory,
-        encoder.embedding_dim,
-        len(live_ids),
-        live_blocks(layout, blocks, live_ids),
-        target_recall=run.cfg.target_recall,
-        on_disk=staging.lists if choice.on_disk else None,
-        trained=trained,
-        vectors=vectors,
-    )
-    with output_errors(staging.index):
-        faiss_index.write_index(built.index, str(staging.index))
-        if built.trained is not None:
-            with atomic_write(staging.trained) as f:
-                f.write(np.asarray(built.trained).tobytes())
-    if built.on_disk:
-        with open(staging.lists, "rb+") as f:  # the lists were written through a memory map
-            os.fsync(f.fileno())
-    built.index = None  # releases the on-disk lists' memory map before the folder is renamed
-    return built
-
-
-def _commit_update(run: _Run, staging: GenerationPaths, name: str, changes: Changes) -> GenerationDraft:
-    """The predecessor plus what changed (see ``indexer.update``)."""
-    layout, base, plan, readable = run.layout, run.base, run.plan, changes.readable
-    prev = layout.generation(run.previous)
-    with run.clock.phase("commit"):
-        update.link_base(prev, staging)
-        with update.open_delta_store(prev, staging) as store:
-            old_ids = list(plan.removed_ids) + [plan.changed_ids[p] for p in sorted(plan.changed_ids)]
-            removed = store.remove_items(old_ids, name)
-            next_id = store.next_id()
-            stored = store.add_items(_records(run, readable, next_id))
-            store.replace_skipped(plan.skipped)
-            final_next_id = store.next_id()
-            store.sync()
-        ids = np.arange(next_id, next_id + len(readable), dtype=np.int64)
-        vectors = run.shards.vectors([e.path for e in readable])
-        labels = _label_counts(base.labels, stored, [rec for rec, _ in removed])
-        duplicates = base.duplicates + _duplicate_change(stored, removed)
-        dtype = np.dtype(base.block_dtype)
-        blocks = [b for b in base.vector_blocks if block_exists(layout, b)]
-        new_blocks, new_block_files = _write_block(run, name, ids, vectors, dtype)
-        blocks += new_blocks
-    with run.clock.phase("index"):
-        delta_count, removed_count = update.update_faiss(
-            prev, staging, base, ids, vectors, np.asarray(old_ids, dtype=np.int64)
-        )
-        _copy_encoder(run, staging)
-    with run.clock.phase("checksums"):
-        # the base is shared with the predecessor by hard links: its records carry over unread (an update costs
-        # what changed); the delta layer this run wrote is hashed
-        files = integrity.record_files(
-            staging, {**integrity.carried(base), **integrity.encoder_record(staging, run.encoder.sha256)}
-        )
-        block_files = integrity.record_blocks(layout, blocks, {**base.block_files, **new_block_files})
-    count = base.count + len(ids) - len(old_ids)
-    if base.base_count - removed_count + delta_count != count:
-        raise ArtifactError(
-            f"{layout.root}: the update of {run.previous} would hold {count} items but its FAISS "
-            "parts do not; rebuild with `moco index --rebuild`"
-        )
-    built = faiss_index.BuiltIndex(
-        index=None,
-        factory=base.factory,
-        search_params=base.search_params,
-        recall_at_10=base.recall_at_10,
-        exact=base.exact,
-        trained_on=base.trained_on,
-        on_gpu=base.built_on_gpu,
-        on_disk=base.on_disk,
-    )
-    return GenerationDraft(
-        name,
-        built,
-        count=count,
-        next_id=final_next_id,
-        duplicates=duplicates,
-        labels=labels,
-        blocks=blocks,
-        dtype=dtype,
-        base_count=base.base_count,
-        base_next_id=base.base_next_id,
-        base_generation=base.base_generation or base.generation,
-        files=files,
-        block_files=block_files,
-        delta_count=delta_count,
-        removed_count=removed_count,
-    )
-
-
-def _label_counts(labels: dict, added: list[ItemRecord], removed: list[ItemRecord]) -> dict:
-    out = dict(labels)
-    for rec in added:
-        if rec.label is not None:
-            out[rec.label] = out.get(rec.label, 0) + 1
-    for rec in removed:
-        if rec.label is not None:
-            out[rec.label] -= 1
-            if out[rec.label] <= 0:
-                del out[rec.label]
-    return dict(sorted(out.items()))
-
-
-def _duplicate_change(added: list[ItemRecord], removed: list[tuple[ItemRecord, bool]]) -> int:
-    """Duplicates = sum over contents of (copies - 1): +1 per added copy of known content, -1 per removed item
-    whose content still has live copies (an original's place is taken by its oldest copy)."""
-    return sum(r.duplicate_of is not None for r in added) - sum(1 for _, copies_left in removed if copies_left)
-
-
-def _compact(run: _Run, source: str, changes: Changes) -> IndexResult:
+def _compact(run: Run, source: str, changes: Changes) -> IndexResult:
     """Publish the live content of generation ``source`` as a new base (see ``indexer.update``)."""
     name = generation_name(generation_number(source) + 1)
     with _staging(run.layout) as staging:
-        draft = _commit_compaction(run, source, staging, name)
+        draft = commit_compaction(run, source, staging, name)
         manifest = _publish(run, staging, draft, changes, previous=source)
     LOG.info("compacted %s into %s (%d items, recall@10 %s)", source, name, manifest.count, manifest.recall_at_10)
     result = _result(run, "compaction", manifest, changes, published=True)
@@ -759,62 +416,10 @@ def _compact(run: _Run, source: str, changes: Changes) -> IndexResult:
     return result
 
 
-def _commit_compaction(run: _Run, source: str, staging: GenerationPaths, name: str) -> GenerationDraft:
-    """Metadata layers folded into one, vector blocks merged, the FAISS index rebuilt from the live vectors
-    (IVF keeps its trained lists)."""
-    cfg, layout, encoder = run.cfg, run.layout, run.encoder
-    src = layout.generation(source)
-    manifest = IndexManifest.read(src.manifest)
-    with run.clock.phase("compact_metadata"):
-        # everything the new base is rebuilt from, hashed first: a compaction over a damaged vector block
-        # published garbage measured at "recall@10 1.0" (the recall check reads the same blocks)
-        integrity.check_files(
-            layout, source, manifest, hashed=integrity.COMPACTION_READS, blocks=True, hashed_blocks=True
-        )
-        with output_errors(staging.meta):
-            if src.delta_meta.is_dir():
-                materialize(src.meta, src.delta_meta, staging.meta)
-                linked = {}
-            else:
-                link_store(src.meta, staging.meta)
-                linked = integrity.carried(manifest, [f"{META_DIR}/{LMDB_DATA_FILE}"])
-        with MetadataStore(staging.meta) as store:
-            live_ids = store.live_ids()
-        choice = _wanted(cfg, max(1, len(live_ids)), encoder.embedding_dim)
-        trained = None
-        if faiss_index.same_structure(manifest.factory, choice.factory):
-            trained = update.read_trained(src)  # IVF: keep the trained lists; nlist stays as it is
-            choice = faiss_index.IndexChoice(manifest.factory, choice.on_disk)
-        dtype = block_dtype(choice.factory)
-        blocks = [b for b in manifest.vector_blocks if block_exists(layout, b)]
-        blocks, new_block_files = update.compact_blocks(layout, blocks, live_ids, name, dtype)
-    with run.clock.phase("compact_index"):
-        built = _build_faiss(run, staging, choice, live_ids, blocks, trained=trained)
-        _copy_encoder(run, staging)
-    files = integrity.record_files(staging, {**linked, **integrity.encoder_record(staging, encoder.sha256)})
-    block_files = integrity.record_blocks(layout, blocks, {**manifest.block_files, **new_block_files})
-    return GenerationDraft(
-        name,
-        built,
-        count=len(live_ids),
-        next_id=manifest.next_id,
-        duplicates=manifest.duplicates,
-        labels=manifest.labels,
-        blocks=blocks,
-        dtype=dtype,
-        base_count=len(live_ids),
-        base_next_id=manifest.next_id,
-        base_generation=name,
-        files=files,
-        block_files=block_files,
-        created_at=manifest.created_at,
-    )
-
-
 # --- 4. publish ----------------------------------------------------------------------------------------------
 
 
-def _manifest(run: _Run, draft: GenerationDraft, changes: Changes) -> IndexManifest:
+def _manifest(run: Run, draft: GenerationDraft, changes: Changes) -> IndexManifest:
     """The manifest of ``draft``: what the commit strategy made, and what the run knows (its model, folder,
     options and the changes it made)."""
     cfg, encoder, base, built = run.cfg, run.encoder, run.base, draft.built
@@ -861,7 +466,7 @@ def _manifest(run: _Run, draft: GenerationDraft, changes: Changes) -> IndexManif
 
 
 def _publish(
-    run: _Run, staging: GenerationPaths, draft: GenerationDraft, changes: Changes, previous: str | None
+    run: Run, staging: GenerationPaths, draft: GenerationDraft, changes: Changes, previous: str | None
 ) -> IndexManifest:
     """Write the manifest of ``draft``, open the generation as a server will, and make it the live one."""
     manifest = _manifest(run, draft, changes)
@@ -873,7 +478,7 @@ def _publish(
 
 
 def _result(
-    run: _Run, mode: str, manifest: IndexManifest | None = None, changes: Changes | None = None, published: bool = False
+    run: Run, mode: str, manifest: IndexManifest | None = None, changes: Changes | None = None, published: bool = False
 ) -> IndexResult:
     """What the run did, as the report and the CLI give it: ``manifest`` is the generation live afterwards
     (None for a rank > 0, which only embeds)."""
@@ -907,7 +512,7 @@ def _result(
     )
 
 
-def _write_report(run: _Run, result: IndexResult) -> None:
+def _write_report(run: Run, result: IndexResult) -> None:
     """``INDEX_DIR/report.json``, and a copy in the generation the result made."""
     write_json_atomic(run.layout.report, asdict(result))
     if result.published:
@@ -925,30 +530,6 @@ def _check_opens(layout: IndexLayout, staging: GenerationPaths) -> None:
     """
     with IndexDirectory(layout.root, staging.root.name):
         pass
-
-
-def _copy_encoder(run: _Run, staging: GenerationPaths) -> None:
-    """Put the encoder into the generation: a hard link to the previous generation's copy when it is still
-    this model byte for byte (generations are immutable, so they can share the file), else a copy of
-    ``--model`` checked against the sha256 this run embedded with. Never a link to the user's file: a later
-    ``cp other.onnx model.onnx`` would have changed the index's own copy. The previous copy is hashed again:
-    linked forward unread, a damaged copy made every later generation unopenable.
-
-    Raises:
-        ArtifactError: ``--model`` changed while the run embedded with it.
-    """
-    prev, sha256 = run.prev_manifest, run.encoder.sha256
-    if prev is not None and prev.model_sha256 == sha256 and run.previous is not None:
-        copy = run.layout.generation(run.previous).encoder
-        if file_sha256(copy) == sha256:
-            link_or_copy_atomic(copy, staging.encoder)
-            return
-        LOG.warning(
-            "%s is not the model it was copied from (damaged or missing); copying %s instead", copy, run.encoder.path
-        )
-    copy_atomic(run.encoder.path, staging.encoder)
-    if file_sha256(staging.encoder) != sha256:
-        raise ArtifactError(f"{run.encoder.path} changed while this run embedded with it; run the same command again")
 
 
 def _library_versions() -> dict:

@@ -180,7 +180,7 @@ def check_files(
             one); the others have their size checked.
         blocks: check the sizes of the vector blocks' files too; hashed_blocks: and their sha256.
         ignore: files not to look at (an update does not use its predecessor's encoder copy unless it still
-            hashes to the model: see ``indexer.build._copy_encoder``).
+            hashes to the model: see ``indexer.commit._copy_encoder``).
 
     Raises:
         ArtifactError: the first file missing, of another size, or (where hashed) of other bytes, naming it,

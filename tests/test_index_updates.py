@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from moco_retrieval.indexer import build as build_module
+from moco_retrieval.indexer import build as build_module, commit as commit_module
 from moco_retrieval.indexer import update
 from moco_retrieval.indexer.build import IndexConfig, build_index_dir
 from moco_retrieval.indexer.index_dir import IndexDirectory, current_generation
@@ -202,7 +202,7 @@ def test_update__a_crash_at_any_step_leaves_the_live_generation_and_a_rerun_fini
     def crash(*args, **kwargs):
         raise Crash
 
-    steps = [(update, "update_faiss"), (build_module, "_copy_encoder"), (build_module, "publish")]
+    steps = [(update, "update_faiss"), (commit_module, "_copy_encoder"), (build_module, "publish")]
     for module, name in steps:
         with monkeypatch.context() as patch:
             patch.setattr(module, name, crash)
@@ -211,7 +211,7 @@ def test_update__a_crash_at_any_step_leaves_the_live_generation_and_a_rerun_fini
         assert current_generation(out) == "g000001" and _check_consistent(out) == live
     # ... and while compacting, after the update was published
     with monkeypatch.context() as patch:
-        patch.setattr(build_module, "materialize", crash)
+        patch.setattr(commit_module, "materialize", crash)
         with pytest.raises(Crash):
             build_index_dir(_cfg(data, emb, out, index_type="ivf", compact="now"), embedder=emb)
     assert current_generation(out) == "g000002"

@@ -18,7 +18,7 @@ import faiss
 import numpy as np
 import pytest
 
-from moco_retrieval.indexer import build as build_module
+from moco_retrieval.indexer import commit as commit_module
 from moco_retrieval.indexer import faiss_index, metadata, update, vectors
 from moco_retrieval.indexer.build import IndexConfig, build_index_dir
 from moco_retrieval.indexer.index_dir import IndexDirectory
@@ -164,11 +164,11 @@ def _count_calls(monkeypatch, owner, name: str) -> list:
     return calls
 
 
-# --- indexer/build.py --------------------------------------------------------------------------------------
+# --- indexer/commit.py -------------------------------------------------------------------------------------
 
 
 def test_record_chunk__a_full_build_in_chunks_equals_one_chunk(tmp_path, monkeypatch):
-    """RECORD_CHUNK (build.py, files per commit step of a full build): a chunked build must not shift ids, lose
+    """RECORD_CHUNK (commit.py, files per commit step of a full build): a chunked build must not shift ids, lose
     labels or miss a duplicate whose original was committed in an earlier chunk."""
     data = tmp_path / "images"
     names = _names(0, 50)
@@ -184,7 +184,7 @@ def test_record_chunk__a_full_build_in_chunks_equals_one_chunk(tmp_path, monkeyp
     emb = DupEmbedder(tmp_path / "model", groups)
     ref = build_index_dir(_cfg(data, emb, tmp_path / "ref"), embedder=emb)
     adds = _count_calls(monkeypatch, MetadataStore, "add_items")
-    monkeypatch.setattr(build_module, "RECORD_CHUNK", 7)
+    monkeypatch.setattr(commit_module, "RECORD_CHUNK", 7)
     low = build_index_dir(_cfg(data, emb, tmp_path / "low"), embedder=emb)
     assert [len(c[1]) for c in adds] == [7] * 7 + [1]  # the threshold was crossed, 7 times
     assert low.count == ref.count == 50 and low.duplicates == ref.duplicates == 3
