@@ -39,6 +39,7 @@ from moco_retrieval.contracts.errors import ConfigError, IndexBuildError, Output
 from moco_retrieval.indexer import faiss_gpu
 from moco_retrieval.indexer.config import TARGET_RECALL
 from moco_retrieval.indexer.factory import Factory
+from moco_retrieval.indexer.filters import RECALL_K
 from moco_retrieval.indexer.searcher import LayeredIndex, unwrap
 
 LOG = logging.getLogger(__name__)
@@ -48,7 +49,6 @@ FLAT_MAX = 100_000
 HNSW_MAX = 1_000_000
 HNSW_M = 32
 RECALL_QUERIES = 256
-RECALL_K = 10
 PLATEAU = 0.002  # stop raising nprobe/efSearch when recall@10 improves by less than this
 EXACT_CHUNK = 65_536  # database rows per matrix product in exact search
 HEADROOM = 1.5  # an index "fits" a memory budget when its size times this does

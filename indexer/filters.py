@@ -10,6 +10,12 @@ HNSW's beam meets few of them. So :func:`filtered_params` raises ``nprobe`` / ``
 fraction kept, and a filter that keeps at most :data:`EXACT_FILTER_MAX` items is answered exactly from the
 stored vectors of those items instead (:meth:`indexer.searcher.LayeredIndex.search`), which costs what the
 filter keeps, not the corpus.
+
+A threshold search (``min_score``) starves it the same way: nprobe / efSearch are tuned to find the first
+:data:`RECALL_K` neighbours, and the first hundred above a threshold lie in more lists than the first ten
+(recall of the first tens above a threshold fell to 0.83 on IVF-PQ at the tuned nprobe, issue 24). So
+:func:`threshold_factor` raises the depth by the number of items the threshold search reaches over ``RECALL_K``,
+with the same cap.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import numpy as np
 
 EXACT_FILTER_MAX = 20_000  # filters keeping at most this many items are scored exactly (20k x 512 x 2 FLOP: 20 MFLOP)
 MAX_DEPTH_FACTOR = 64  # nprobe / efSearch are raised at most this much (beyond it the exact path is cheaper)
+RECALL_K = 10  # the k whose recall approximate indexes are tuned for (recall@10, indexer.faiss_index._tune)
 
 
 class IdFilter:
@@ -70,6 +77,18 @@ def depth_factor(kept: int, total: int) -> int:
     if total <= 0 or kept >= total:
         return 1
     return int(min(MAX_DEPTH_FACTOR, math.ceil(total / max(1, kept))))
+
+
+def threshold_factor(reached: int) -> int:
+    """How much deeper a threshold search goes that has reached ``reached`` items above its threshold: the tuned
+    depth finds the first ``RECALL_K``, so ``reached / RECALL_K`` times that (1 up to ``RECALL_K``, at most
+    ``MAX_DEPTH_FACTOR``)."""
+    return int(min(MAX_DEPTH_FACTOR, max(1, math.ceil(reached / RECALL_K))))
+
+
+def combined_factor(*factors: int) -> int:
+    """Depth factors that apply together (a filter's and a threshold's), multiplied, at most ``MAX_DEPTH_FACTOR``."""
+    return int(min(MAX_DEPTH_FACTOR, math.prod(max(1, int(f)) for f in factors)))
 
 
 def filtered_params(params: dict, factor: int, nlist: int | None = None) -> dict:

@@ -7,6 +7,9 @@ server uses it as one. Removed ids are excluded inside FAISS with an ``IDSelecto
 index cannot take a selector (a GPU copy, a custom factory string) it is searched ``len(removed)`` deeper
 and the removed ids are dropped, which is exact. Results of base and delta are merged by score.
 
+A search can ask to go ``depth`` times deeper than tuned (nprobe / efSearch raised, as a filter raises them:
+:mod:`indexer.filters`): a threshold search that reaches past the first ``RECALL_K`` items does.
+
 For IVF-PQ the codes alone cap recall (0.38 at 100k x 512 in ``bench/results/faiss_indexes_cpu2.json``),
 so candidates are re-ranked: ``refine`` x k candidates are fetched and scored exactly against their stored
 vectors (:class:`indexer.vectors.BlockVectors`, float16 blocks on disk, memory-mapped).
@@ -20,7 +23,7 @@ from typing import Callable
 import faiss
 import numpy as np
 
-from moco_retrieval.indexer.filters import EXACT_FILTER_MAX, depth_factor, filtered_params
+from moco_retrieval.indexer.filters import EXACT_FILTER_MAX, combined_factor, depth_factor, filtered_params
 
 LOG = logging.getLogger(__name__)
 
@@ -151,13 +154,22 @@ class LayeredIndex:
             I = np.where(gone, -1, I)
         return merge_results([(D, I)], k)
 
-    def _search_base(self, xq: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    def _params(self, part: faiss.Index, is_base: bool, factor: int):
+        """The search parameters of one layer ``factor`` times deeper than tuned (``None``: a type without them)."""
+        if factor <= 1:
+            return self._base_params if is_base else self._delta_params
+        ivf = faiss.try_extract_index_ivf(part)
+        params = filtered_params(self.params, factor, ivf.nlist if ivf is not None else None)
+        return search_parameters(part, params, self._selector if is_base else None)
+
+    def _search_base(self, xq: np.ndarray, k: int, depth: int = 1) -> tuple[np.ndarray, np.ndarray]:
         deeper = min(self.base_ntotal, k + len(self.removed))
-        if self.gpu is not None and self.gpu.can_search(deeper):
+        if self.gpu is not None and depth <= 1 and self.gpu.can_search(deeper):  # (the copy keeps the tuned nprobe)
             D, I = self.gpu.search(xq, deeper)
             return self._drop_removed(D, I, k)
-        if self._base_params is not None:
-            return self.base.search(xq, k, params=self._base_params)
+        params = self._params(self.base, True, depth)
+        if params is not None:
+            return self.base.search(xq, k, params=params)
         D, I = self.base.search(xq, max(1, deeper))
         return self._drop_removed(D, I, k)
 
@@ -201,25 +213,25 @@ class LayeredIndex:
         D = xq @ xb.T
         return merge_results([(D.astype(np.float32), np.broadcast_to(ids, D.shape))], k)
 
-    def search(self, xq: np.ndarray, k: int, filt=None) -> tuple[np.ndarray, np.ndarray]:
+    def search(self, xq: np.ndarray, k: int, filt=None, depth: int = 1) -> tuple[np.ndarray, np.ndarray]:
         """``xq`` float32 ``[n, d]`` -> ``(D, I)`` float32 / int64 ``[n, k]``, best first (-1 pads).
 
         ``filt``: an :class:`indexer.filters.IdFilter`; only its ids come back. At most ``EXACT_FILTER_MAX``
         of them are scored exactly; more are searched with the selector, the index's depth raised by the inverse
         of the fraction kept (see :mod:`indexer.filters`).
+        ``depth``: nprobe / efSearch this many times the tuned value (nprobe at most nlist; with a filter, the two
+        factors multiplied, at most ``MAX_DEPTH_FACTOR``); no effect on exact parts and on types that take no
+        search parameters.
         """
         xq = np.ascontiguousarray(xq, dtype=np.float32)
         if filt is not None:
-            return self._search_filtered(xq, k, filt)
+            return self._search_filtered(xq, k, filt, depth)
         fetch = k * self.refine if self.refine > 1 else k
-        parts = [self._search_base(xq, fetch)] if self.base_ntotal else []
+        parts = [self._search_base(xq, fetch, depth)] if self.base_ntotal else []
         if self.delta is not None:
             kd = max(1, min(fetch, int(self.delta.ntotal)))
-            parts.append(
-                self.delta.search(xq, kd, params=self._delta_params)
-                if self._delta_params is not None
-                else self.delta.search(xq, kd)
-            )
+            params = self._params(self.delta, False, depth)
+            parts.append(self.delta.search(xq, kd, params=params) if params is not None else self.delta.search(xq, kd))
         if not parts:
             return (np.full((len(xq), k), -np.inf, dtype=np.float32), np.full((len(xq), k), -1, dtype=np.int64))
         D, I = merge_results(parts, fetch)
@@ -261,11 +273,12 @@ class LayeredIndex:
             for p, params, _ in self._parts()
         )
 
-    def range_search(self, xq: np.ndarray, radius: float) -> list[tuple[np.ndarray, np.ndarray]]:
+    def range_search(self, xq: np.ndarray, radius: float, depth: int = 1) -> list[tuple[np.ndarray, np.ndarray]]:
         """Every item scoring at least ``radius`` (inner product) with each query, as the index finds them.
 
         Args:
             xq: float32 ``[n, d]``.
+            depth: nprobe this many times the tuned value (at most nlist), as in :meth:`search`.
 
         Returns:
             n ``(D, I)`` pairs (float32 / int64 ``[m_i]``), best first.
@@ -279,7 +292,7 @@ class LayeredIndex:
         # FAISS keeps scores strictly above the radius (inner product): step just below it, then keep >= radius
         below = float(np.nextafter(np.float32(radius), np.float32(-np.inf)))
         found = []
-        for part, params, is_base in self._parts():
+        for part, _, is_base in self._parts():
             scan = self._hnsw_scan(part) if hasattr(unwrap(part), "hnsw") else None
             if scan is not None:
                 lims, D, pos = scan[0].range_search(xq, below)
@@ -289,7 +302,7 @@ class LayeredIndex:
                     lims = np.concatenate([[0], np.cumsum([keep[a:b].sum() for a, b in zip(lims[:-1], lims[1:])])])
                     D, I = D[keep], I[keep]
             else:
-                lims, D, I = part.range_search(xq, below, params=params)
+                lims, D, I = part.range_search(xq, below, params=self._params(part, is_base, depth))
             found.append((lims, D, I))
         out = []
         for q in range(len(xq)):
@@ -301,13 +314,13 @@ class LayeredIndex:
             out.append((D[order].astype(np.float32), I[order]))
         return out
 
-    def _search_filtered(self, xq: np.ndarray, k: int, filt) -> tuple[np.ndarray, np.ndarray]:
+    def _search_filtered(self, xq: np.ndarray, k: int, filt, depth: int = 1) -> tuple[np.ndarray, np.ndarray]:
         kept = filt.count()
         if kept <= EXACT_FILTER_MAX:
             exact = self._exact_filtered(xq, k, filt)
             if exact is not None:
                 return exact
-        factor = depth_factor(kept, self.ntotal)
+        factor = combined_factor(depth_factor(kept, self.ntotal), depth)
         fetch = k * self.refine if self.refine > 1 else k
         parts = [self._filtered_part(self.base, xq, fetch, filt, factor, True)] if self.base_ntotal else []
         if self.delta is not None:

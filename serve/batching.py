@@ -2,9 +2,10 @@
 
 Callers (HTTP handler threads) decode and resize their own image, then :meth:`MicroBatcher.submit` a job
 and wait on its future. The worker takes the first waiting job, keeps collecting jobs for up to
-``max_wait`` seconds or until ``max_batch`` rows, and runs ``run(key, rows, k)`` once for each group of jobs
-that share a ``key`` (the index generation they were decoded for, so one batch never mixes two models),
-with ``k`` the largest any job of the group asked for.
+``max_wait`` seconds or until ``max_batch`` rows (a job that would carry the batch past ``max_batch`` starts
+the next batch; a job larger than ``max_batch`` runs whole, alone), and runs ``run(key, rows, k)`` once for
+each group of jobs that share a ``key`` (the index generation they were decoded for, so one batch never mixes
+two models), with ``k`` the largest any job of the group asked for.
 
 One worker means the encoder session and the FAISS index are only ever used from one thread at a time
 (FAISS GPU indexes are not thread-safe), while batching keeps the throughput of a larger batch.
@@ -53,7 +54,7 @@ class MicroBatcher:
         run: ``run(key, rows, k) -> (results, seconds)`` with ``rows`` the concatenated ``[N, ...]`` rows of
             the group, ``k`` the group's largest ``k``, ``results`` a sequence of N per-row results and
             ``seconds`` a dict of phase timings for the batch.
-        max_batch: most rows per ``run`` call (a single larger job still runs whole).
+        max_batch: most rows per ``run`` call (a single larger job still runs whole, alone).
         max_wait: seconds the worker waits for more jobs after the first one arrived.
     """
 
@@ -91,8 +92,9 @@ class MicroBatcher:
             self._queue.put(_STOP)
             self._thread.join(timeout=30)
 
-    def _collect(self, first: _Job) -> tuple[list[_Job], bool]:
-        jobs, rows, stop = [first], len(first.rows), False
+    def _collect(self, first: _Job) -> tuple[list[_Job], _Job | None, bool]:
+        """``(the batch's jobs, a job taken that starts the next batch or None, whether close() was seen)``."""
+        jobs, rows = [first], len(first.rows)
         deadline = time.perf_counter() + self.max_wait
         while rows < self.max_batch:
             timeout = deadline - time.perf_counter()
@@ -101,24 +103,27 @@ class MicroBatcher:
             except queue.Empty:
                 break
             if job is _STOP:
-                stop = True
-                break
+                return jobs, None, True
+            if rows + len(job.rows) > self.max_batch:  # (a queue cannot be peeked: keep it for the next batch)
+                return jobs, job, False
             jobs.append(job)
             rows += len(job.rows)
-        return jobs, stop
+        return jobs, None, False
 
     def _loop(self) -> None:
-        stop = False
-        while not stop:
-            first = self._queue.get()
+        held = None
+        while True:
+            first = held if held is not None else self._queue.get()
             if first is _STOP:
                 break
-            jobs, stop = self._collect(first)
+            jobs, held, stop = self._collect(first)
             groups: dict[int, list[_Job]] = {}
             for job in jobs:
                 groups.setdefault(id(job.key), []).append(job)
             for group in groups.values():
                 self._run_group(group)
+            if stop:
+                break
 
     def _run_group(self, jobs: list[_Job]) -> None:
         jobs = [job for job in jobs if job.future.set_running_or_notify_cancel()]

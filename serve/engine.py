@@ -44,6 +44,7 @@ from moco_retrieval.contracts.errors import (
 from moco_retrieval.contracts.images import decode_image
 from moco_retrieval.contracts.knn import KNN_TEMPERATURE, SEARCH_K
 from moco_retrieval.indexer.encoder import available_cores
+from moco_retrieval.indexer.filters import threshold_factor
 from moco_retrieval.indexer.layout import current_generation
 from moco_retrieval.indexer.records import ItemRecord
 from moco_retrieval.serve.batching import MicroBatcher
@@ -339,29 +340,37 @@ class SearchEngine:
         of ``flt``) ate some.
 
         With ``min_score``: every live neighbour scoring at least ``min_score`` (at most ``k``): a FAISS range
-        search where the index type answers one (flat, IVF with its tuned nprobe, HNSW scanned exactly over its
-        flat storage, since HNSW's own beam misses most of a large result), else a k doubled while the last
-        result is still above the threshold (IVF-PQ re-ranked, GPU copies, custom factory strings, filters).
+        search where the index type answers one (flat, IVF, HNSW scanned exactly over its flat storage, since
+        HNSW's own beam misses most of a large result), else a k doubled while the last result is still above
+        the threshold (IVF-PQ re-ranked, GPU copies, custom factory strings, filters). Either way the index is
+        searched again deeper (nprobe / efSearch) while the items reached above the threshold ask for more than
+        the tuned depth (:func:`indexer.filters.threshold_factor`: the tuned depth finds the first 10).
         With ``idf`` (the id filter of ``flt``): ``(D, I)`` are searched again with it.
         """
 
-        def deeper(depth: int):
-            return tuple(row[0] for row in gen.search(xq[None], depth, idf))
+        def deeper(fetch: int, depth: int = 1):
+            return tuple(row[0] for row in gen.search(xq[None], fetch, idf, depth))
 
-        fetched = len(I)
+        fetched, depth = len(I), 1
         if idf is not None:
             D, I = deeper(fetched)
+        reach = self._fetch_k(gen, k) + 1  # a threshold search needs no more than this many above it
         if min_score is not None and gen.can_range_search and idf is None:
             D, I = gen.range_search(xq, min_score)
+            while threshold_factor(min(len(I), reach)) > depth:
+                depth = threshold_factor(min(len(I), reach))
+                D, I = gen.range_search(xq, min_score, depth)
             fetched = gen.ntotal
-        while min_score is not None and fetched < gen.ntotal:
+        while min_score is not None:
             found = I >= 0
             above = int(np.count_nonzero(found & (D >= min_score)))
             # (-1 pads do not mean the index is exhausted: a filtered HNSW search returns fewer than k)
-            if not above or D[found][-1] < min_score or above >= self._fetch_k(gen, k) + 1:
-                break  # the index has nothing more above the threshold (or already more than k of it)
-            fetched = min(gen.ntotal, 2 * fetched)
-            D, I = deeper(fetched)
+            more = fetched < gen.ntotal and above and D[found][-1] >= min_score and above < reach
+            need = threshold_factor(min(above, reach))
+            if not more and need <= depth:
+                break  # the index has nothing more above the threshold at this depth (or already more than k)
+            fetched, depth = min(gen.ntotal, 2 * fetched) if more else fetched, max(depth, need)
+            D, I = deeper(fetched, depth)
         while True:
             keep = (I >= 0) if min_score is None else (I >= 0) & (D >= min_score)
             ids = [int(i) for i in I[keep] if i != exclude]
@@ -377,7 +386,7 @@ class SearchEngine:
             if min_score is not None and len(I) and I[-1] >= 0 and D[-1] < min_score:
                 return hits[:k]  # deeper would only find items below the threshold
             fetched = min(gen.ntotal, 2 * fetched)
-            D, I = deeper(fetched)
+            D, I = deeper(fetched, depth)
 
     def _results(
         self,

@@ -246,9 +246,11 @@ class ServedGeneration:
         bits[exclude[(exclude >= 0) & (exclude < next_id)]] = False
         return IdFilter.of_bits(bits)
 
-    def search(self, xq: np.ndarray, k: int, filt: "IdFilter | None" = None) -> tuple[np.ndarray, np.ndarray]:
+    def search(
+        self, xq: np.ndarray, k: int, filt: "IdFilter | None" = None, depth: int = 1
+    ) -> tuple[np.ndarray, np.ndarray]:
         """Inner-product search: ``xq`` float32 ``[n, d]`` -> ``(D, I)`` float32 / int64 ``[n, k]`` (-1 pads);
-        only ids of ``filt`` when given.
+        only ids of ``filt`` when given; ``depth`` times the tuned nprobe / efSearch (``LayeredIndex.search``).
 
         Raises:
             ArtifactError: a result no intact index can give (see :meth:`_check_results`).
@@ -258,7 +260,8 @@ class ServedGeneration:
             if self.faiss_threads is not None:  # an OpenMP setting is per calling thread: set it in this one
                 faiss.omp_set_num_threads(self.faiss_threads)
             xq = np.ascontiguousarray(xq, dtype=np.float32)
-            D, I = self.directory.index.search(xq, k) if filt is None else self.directory.index.search(xq, k, filt)
+            index = self.directory.index
+            D, I = index.search(xq, k) if filt is None and depth <= 1 else index.search(xq, k, filt, depth)
         self._check_results(D, I)
         return D, I
 
@@ -267,8 +270,9 @@ class ServedGeneration:
         """Whether :meth:`range_search` is exact here (see ``LayeredIndex.can_range_search``)."""
         return bool(getattr(self.directory.index, "can_range_search", False))
 
-    def range_search(self, xq: np.ndarray, radius: float) -> tuple[np.ndarray, np.ndarray]:
-        """Every item scoring at least ``radius`` with the one query ``xq`` float32 ``[d]``: ``(D, I)``, best first.
+    def range_search(self, xq: np.ndarray, radius: float, depth: int = 1) -> tuple[np.ndarray, np.ndarray]:
+        """Every item scoring at least ``radius`` with the one query ``xq`` float32 ``[d]``: ``(D, I)``, best first;
+        ``depth`` times the tuned nprobe (``LayeredIndex.range_search``).
 
         Raises:
             ArtifactError: a result no intact index can give (see :meth:`_check_results`).
@@ -276,7 +280,8 @@ class ServedGeneration:
         with self._faiss_lock:
             if self.faiss_threads is not None:
                 faiss.omp_set_num_threads(self.faiss_threads)
-            ((D, I),) = self.directory.index.range_search(np.ascontiguousarray(xq[None], dtype=np.float32), radius)
+            xq = np.ascontiguousarray(xq[None], dtype=np.float32)
+            ((D, I),) = self.directory.index.range_search(xq, radius, depth)
         self._check_results(D[None], I[None])
         return D, I
 
