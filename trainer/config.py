@@ -25,7 +25,6 @@ from moco_retrieval.contracts.options import option
 RESNETS = ("resnet18", "resnet34", "resnet50")
 VITS = ("vit_tiny", "vit_small", "vit_base")
 ARCHS = RESNETS + VITS
-DEFAULT_ARCH = "resnet50"  # what --arch auto builds without --init
 STEMS = ("auto", "imagenet", "small")
 RECIPES = ("auto", "paper")
 
@@ -91,8 +90,8 @@ class TrainConfig:
     )
     arch: str = option(
         "auto",
-        f"backbone network; resnet18 trains fastest; vit_* need --moco-version 3; auto: "
-        f"the --init file's, else {DEFAULT_ARCH}",
+        "backbone network; resnet18 trains fastest; vit_* need --moco-version 3; auto: "
+        "the --init file's, else chosen for the device (see the recipe below)",
         "model",
         choices=("auto",) + ARCHS,
     )
@@ -114,7 +113,12 @@ class TrainConfig:
     patch_size: int = option(
         0, "ViT patch size in pixels (0 = auto: 16, 8 at 96 px and below, 4 at 32 px and below)", "model"
     )
-    image_size: int = option(224, "training crop size in pixels (square)", "model")
+    image_size: int | None = option(
+        None,
+        "training crop size in pixels (square); auto: from the device and the images' own sizes "
+        "(see the recipe below; the papers' 224 with --recipe paper)",
+        "model",
+    )
     dim: int | None = option(None, "projection output dimension used by the loss (v2 128, v3 256)", "model")
     mlp_hidden: int | None = option(
         None,
@@ -244,11 +248,9 @@ class TrainConfig:
     extra: dict = option(dict, "free-form notes carried into config.json", "running", cli=False)
 
     def __post_init__(self) -> None:
-        if self.arch == "auto" and not self.init:
-            self.arch = DEFAULT_ARCH
         if self.moco_version not in (2, 3):
             raise ConfigError(f"--moco-version must be 2 or 3, got {self.moco_version}")
-        if self.arch not in ARCHS and not (self.arch == "auto" and self.init):
+        if self.arch not in ARCHS and self.arch != "auto":
             raise ConfigError(f"unknown --arch {self.arch!r}; choose one of {', '.join(ARCHS)}")
         if self.arch in VITS and self.moco_version != 3:
             raise ConfigError(f"--arch {self.arch} needs --moco-version 3 (MoCo v2 trains ResNets only)")
@@ -286,9 +288,9 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and value < 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {value}")
-        if self.image_size < 16:
+        if self.image_size is not None and self.image_size < 16:
             raise ConfigError(f"--image-size must be at least 16 pixels, got {self.image_size}")
-        if self.arch in VITS and self.resolved_patch_size > self.image_size // 2:
+        if self.arch in VITS and self.image_size is not None and self.resolved_patch_size > self.image_size // 2:
             raise ConfigError(
                 f"--patch-size {self.resolved_patch_size} leaves fewer than 4 patches in a "
                 f"{self.image_size} px image; use --patch-size {max(1, self.image_size // 8)} "
@@ -345,7 +347,7 @@ class TrainConfig:
             for f in dataclasses.fields(self)
             if getattr(self, f.name) is None
             and f.name not in ("time_budget", "cache_dir", "knn_dir", "amp", "epochs", "knn_every")
-        ]
+        ] + (["arch"] if self.arch == "auto" else [])
 
     # -- JSON -----------------------------------------------------------------------------------------------------
     def to_dict(self) -> dict:

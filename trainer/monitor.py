@@ -26,6 +26,7 @@ from moco_retrieval.contracts.knn import KNN_K, KNN_TEMPERATURE
 from moco_retrieval.trainer.batch_augment import crop_resize
 from moco_retrieval.trainer.data import CachedBatchDataset, eval_batches
 from moco_retrieval.trainer.image_cache import ImageCache, cache_side
+from moco_retrieval.trainer.image_survey import evenly_spread
 from moco_retrieval.trainer.knn import knn_accuracy
 
 LOG = logging.getLogger(__name__)
@@ -55,8 +56,7 @@ def _labeled_split(folder: Path, image_size: int, max_images: int, cache_root, w
         raise DataError(f"k-NN folder {folder} needs images in at least two labeled subfolders (<folder>/<label>/...)")
     whole_folder = len(files) <= max_images
     if not whole_folder:  # a fixed, even spread; the cache keeps the other images (training reads them)
-        keep = torch.linspace(0, len(files) - 1, max_images).round().long().unique().tolist()
-        files = [files[i] for i in keep]
+        files = evenly_spread(files, max_images)
     cached, failed = ImageCache(folder, cache_side(image_size), cache_root).update(
         files, workers, progress=False, whole_folder=whole_folder
     )

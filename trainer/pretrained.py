@@ -509,6 +509,8 @@ def configure(cfg, pre: Pretrained):
             )
         if not cfg.patch_size:
             cfg = set_derived(cfg, "patch_size", pre.patch_size, "the --init file's patch size")
+        if cfg.image_size is None:  # a ViT's position embedding is made for one size: keep it
+            cfg = set_derived(cfg, "image_size", pre.native_image_size, "the size the --init file's ViT was made for")
         if cfg.image_size % pre.patch_size:
             raise ConfigError(
                 f"--image-size {cfg.image_size} is not a multiple of the --init file's patch size {pre.patch_size}"

@@ -71,6 +71,15 @@ INIT_LR_FRACTION = 0.1
 INIT_WARMUP_EPOCHS = {"v2": 0.0, "v3_resnet": 0.25, "v3_vit": 0.25}
 INIT_MOMENTUM = {"v2": 0.999, "v3_resnet": 0.996, "v3_vit": 0.996}
 NOT_MEASURED = "not yet measured on real collections"
+# The network and its input size (issue 19: the defaults were ResNet-50 at 224 px everywhere, so a 2-core CPU
+# upscaled 28-px images 8x and trained a fraction of an epoch in 30 minutes).
+PAPER_ARCH, PAPER_IMAGE_SIZE = "resnet50", 224
+AUTO_ARCH_CPU = "resnet18"  # measured images/s on 2 cores: see ARCH_SPEED_CPU
+AUTO_ARCH_GPU = "resnet50"
+ARCH_SPEED_CPU = "ResNet-18 at 32 px trains at about 500 images/s on 2 cores, ResNet-50 at 224 px at about 8"
+SIDE_STEP = 16  # an auto training size is the images' median shorter side rounded up to a multiple of this
+SIDE_RANGE_CPU = (32, 32)  # 64 px lost to 32 px at equal time on real collections: see SIDE_WHY_CPU
+SIDE_RANGE_GPU = (32, PAPER_IMAGE_SIZE)
 MONITOR_EVALUATIONS = 10  # default --knn-every: about this many k-NN evaluations per run
 SMALL_STEM_COST = "about 9x the compute per image (measured at 32 px: 28 against 266 images/s)"
 
@@ -100,6 +109,7 @@ class Situation:
     num_images: int
     world_size: int
     on_gpu: bool
+    survey: object = None  # trainer.image_survey.ImageSurvey of the training images, when they were surveyed
 
     @property
     def paper(self) -> bool:
@@ -166,10 +176,69 @@ def _init_lr(s: Situation) -> float:
     return float(f"{INIT_LR_FRACTION * _scratch_lr(s):.4g}")
 
 
+def native_side(median_side: int, side_range: tuple[int, int]) -> int:
+    """The training size for images whose median shorter side is ``median_side``: rounded up to a multiple of
+    :data:`SIDE_STEP`, within ``side_range``."""
+    low, high = side_range
+    return max(low, min(high, -(-median_side // SIDE_STEP) * SIDE_STEP))
+
+
+def _auto_side(s: Situation) -> int:
+    side_range = SIDE_RANGE_GPU if s.on_gpu else SIDE_RANGE_CPU
+    return native_side(s.survey.median_side, side_range) if s.survey is not None else side_range[1]
+
+
+def _auto_side_why(s: Situation) -> str:
+    if not s.on_gpu:
+        return f"on a CPU, {SIDE_RANGE_CPU[0]} px: {SIDE_WHY_CPU}" + (
+            f" ({s.survey.describe()})" if s.survey is not None else ""
+        )
+    low, high = SIDE_RANGE_GPU
+    seen = s.survey.describe() if s.survey is not None else "the images were not surveyed"
+    return f"{seen}: rounded up to a multiple of {SIDE_STEP}, within {low}-{high} px on a GPU"
+
+
+SIDE_WHY_CPU = (
+    "64 px costs 4x the compute of 32 px and lost to it in 4-minute runs on 2 cores (k-NN top-1 tuxpaint "
+    "43.4% at 32 px against 33.0% at 64, icons 59.1% against 56.3%); larger images are shrunk, none upscaled "
+    "past it"
+)
+
+
 def _gpu_queue(s: Situation) -> int:
     k = min(PAPER["v2"]["queue_size"], pow2_floor(s.num_images / AUTO_QUEUE_FRACTION))
     return max(2 * s.cfg.batch_size, k // s.cfg.batch_size * s.cfg.batch_size)
 
+
+# Filled before the images are cached: the network and the size it trains at.
+MODEL_AND_SIZE: tuple[Rule, ...] = (
+    Rule("arch", "paper", lambda s: PAPER_ARCH, lambda s: "the papers' backbone", PAPER_ARCH),
+    Rule(
+        "arch",
+        "cpu",
+        lambda s: AUTO_ARCH_CPU,
+        lambda s: f"on a CPU: {ARCH_SPEED_CPU}",
+        f"on a CPU: {AUTO_ARCH_CPU}",
+    ),
+    Rule(
+        "arch", "gpu", lambda s: AUTO_ARCH_GPU, lambda s: "on a GPU: the papers' backbone", f"on a GPU: {AUTO_ARCH_GPU}"
+    ),
+    Rule(
+        "image_size",
+        "paper",
+        lambda s: PAPER_IMAGE_SIZE,
+        lambda s: "the papers' training size",
+        f"{PAPER_IMAGE_SIZE}",
+    ),
+    Rule(
+        "image_size",
+        "auto",
+        _auto_side,
+        _auto_side_why,
+        f"on a CPU: {SIDE_RANGE_CPU[0]} px; on a GPU: the images' median shorter side rounded up to a "
+        f"multiple of {SIDE_STEP}, within {SIDE_RANGE_GPU[0]}-{SIDE_RANGE_GPU[1]} px",
+    ),
+)
 
 # Filled before the model is built, in this order (a later rule may read what an earlier one set).
 BEFORE_TRAINING: tuple[Rule, ...] = (
@@ -370,7 +439,7 @@ def _name(kind: str) -> str:
 
 
 def rules_for(option: str) -> list[Rule]:
-    return [rule for rule in BEFORE_TRAINING if rule.option == option]
+    return [rule for rule in MODEL_AND_SIZE + BEFORE_TRAINING if rule.option == option]
 
 
 def first_rule(option: str, situation: Situation) -> Rule | None:
@@ -381,7 +450,7 @@ def first_rule(option: str, situation: Situation) -> Rule | None:
 def describe() -> str:
     """The auto recipe in a few lines for ``moco train --help``, from the table."""
     lines = []
-    for option in ("batch_size", "lr", "queue_size", "stem", "temperature"):
+    for option in ("arch", "image_size", "batch_size", "lr", "queue_size", "stem", "temperature"):
         summaries = [r.summary for r in rules_for(option) if r.when not in ("paper", "init")]
         lines.append(f"  --{option.replace('_', '-')}: " + "; ".join(summaries))
     tau = f"1/{AUTO_TAU_FRACTION} of the run ({AUTO_TAU_RANGE[0]}-{AUTO_TAU_RANGE[1]} steps)"

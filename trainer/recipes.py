@@ -20,7 +20,8 @@ import logging
 import math
 
 from moco_retrieval.contracts.errors import ConfigError, DataError
-from moco_retrieval.trainer.config import TrainConfig
+from moco_retrieval.trainer.config import VITS, TrainConfig
+from moco_retrieval.trainer.image_survey import ImageSurvey
 from moco_retrieval.trainer.recipe_table import (
     AUTO_TAU_FRACTION,
     AUTO_TAU_RANGE,
@@ -90,21 +91,38 @@ def check_batch_divides(batch_size: int, world_size: int) -> None:
 
 
 def _unset(cfg: TrainConfig, option: str) -> bool:
-    return getattr(cfg, option) is None or (option == "stem" and cfg.stem == "auto")
+    return getattr(cfg, option) is None or (option in ("stem", "arch") and getattr(cfg, option) == "auto")
 
 
 def _fill(
-    cfg: TrainConfig, options: tuple[str, ...], kind: str, num_images: int, world_size: int, on_gpu: bool
+    cfg: TrainConfig,
+    options: tuple[str, ...],
+    kind: str,
+    num_images: int,
+    world_size: int,
+    on_gpu: bool,
+    survey: ImageSurvey | None = None,
 ) -> TrainConfig:
     """Fill each unset option of ``options`` from the first rule of the table whose condition holds."""
     for option in options:
         if not _unset(cfg, option):
             continue
-        situation = Situation(cfg, kind, num_images, world_size, on_gpu)
+        situation = Situation(cfg, kind, num_images, world_size, on_gpu, survey)
         rule = first_rule(option, situation)
         if rule is not None:
             cfg = _set(cfg, option, rule.value(situation), rule.why(situation))
     return cfg
+
+
+def resolve_model_and_size(
+    cfg: TrainConfig, survey: ImageSurvey | None, num_images: int, world_size: int, on_gpu: bool
+) -> TrainConfig:
+    """Fill ``--arch`` and ``--image-size`` when left at auto, by the rules of
+    :data:`trainer.recipe_table.MODEL_AND_SIZE`: the network from the device, the size from the images' own
+    sizes (``survey``; ``None`` takes the device's largest auto size) and the device. Runs before the images
+    are cached, since the cache stores them at a size made for the training size."""
+    kind = "v2" if cfg.moco_version == 2 else "v3_vit" if cfg.arch in VITS else "v3_resnet"
+    return _fill(cfg, ("arch", "image_size"), kind, num_images, world_size, on_gpu, survey)
 
 
 def resolve_before_training(
@@ -212,6 +230,7 @@ def resolve_for_images(cfg: TrainConfig, num_images: int, world_size: int = 1, o
     (without a folder or a time budget: for configs built outside a run, e.g. a random-init checkpoint)."""
     from moco_retrieval.trainer.variants import variant_for
 
+    cfg = resolve_model_and_size(cfg, None, num_images, world_size, on_gpu)
     variant = variant_for(cfg)
     cfg = resolve_before_training(cfg, variant, num_images, world_size, on_gpu)
     steps = max(1, num_images // cfg.batch_size)

@@ -40,6 +40,7 @@ from moco_retrieval.trainer.config import RESUME_MUST_MATCH, TrainConfig
 from moco_retrieval.trainer.data import CachedBatchDataset, epoch_sampler, training_loader
 from moco_retrieval.trainer.device import resolve_amp, resolve_device
 from moco_retrieval.trainer.image_cache import ImageCache, cache_side
+from moco_retrieval.trainer.image_survey import survey_images
 from moco_retrieval.trainer.monitor import KnnMonitor
 from moco_retrieval.trainer.plots import plot_metrics
 from moco_retrieval.trainer.pretrained import Pretrained, configure, load_into_model, read_pretrained
@@ -47,6 +48,7 @@ from moco_retrieval.trainer.recipes import (
     MONITOR_EVALUATIONS,
     check_batch_divides,
     resolve_before_training,
+    resolve_model_and_size,
     resolve_schedule,
 )
 from moco_retrieval.trainer.run_dir import RunDirLock
@@ -155,7 +157,7 @@ def _merge_saved(cfg: TrainConfig, saved: dict, path: Path) -> TrainConfig:
         if name not in values:
             continue
         asked_again = "requested" in derived.get(name, {}) and values[name] == derived[name]["requested"]
-        if values[name] is None or (name == "stem" and values[name] == "auto") or asked_again:
+        if values[name] is None or (name in ("stem", "arch") and values[name] == "auto") or asked_again:
             values[name] = value
     values["derived"] = derived
     values["run_id"] = saved.get("run_id", "")
@@ -208,13 +210,31 @@ def _find_knn_folder(cfg: TrainConfig, labeled_training_data: bool) -> str | Non
 
 
 # -- setup ---------------------------------------------------------------------------------------------------------
-def _scan_and_cache(cfg: TrainConfig, is_main: bool) -> tuple[list, object, dict[str, str]]:
-    """The readable images of the folder (in walk order), their cached pixels and the skipped files."""
+def _scan(cfg: TrainConfig) -> tuple[list, dict[str, str]]:
+    """The image files of the folder that can be opened (in walk order), and the skipped files."""
     found = walk_image_files(cfg.data_dir)
     skipped = {f.path: f.skip_reason for f in found if f.skip_reason}
     usable = [f for f in found if f.skip_reason is None]
     if not usable:
         raise DataError(no_images_message(cfg.data_dir, len(skipped)))
+    return usable, skipped
+
+
+def _fit_model_and_size(cfg: TrainConfig, usable: list, world: int, on_gpu: bool) -> TrainConfig:
+    """``cfg`` with ``--arch`` and ``--image-size`` resolved when left at auto (the images' sizes surveyed
+    first, for the size); a resumed run has both from its checkpoint."""
+    if cfg.arch != "auto" and cfg.image_size is not None:
+        return cfg
+    survey = survey_images(cfg.data_dir, usable) if cfg.image_size is None else None
+    if survey is not None:
+        cfg = cfg.replace(extra={**cfg.extra, "image_survey": survey.to_dict()})
+    return resolve_model_and_size(cfg, survey, len(usable), world, on_gpu)
+
+
+def _cache(
+    cfg: TrainConfig, usable: list, skipped: dict[str, str], is_main: bool
+) -> tuple[list, object, dict[str, str]]:
+    """The readable images of ``usable`` (in walk order), their cached pixels and the skipped files."""
     cached, failed = ImageCache(cfg.data_dir, cache_side(cfg.image_size), cfg.cache_dir).update(
         usable, workers=cfg.workers, progress=is_main, whole_folder=True
     )
@@ -322,7 +342,9 @@ def setup(
     if ckpt is None and cfg.init:  # a resumed run has its weights; the file was read when it started
         init = read_pretrained(cfg.init)
         cfg = configure(cfg, init)
-    files, cached, skipped = _scan_and_cache(cfg, is_main)
+    usable, skipped = _scan(cfg)
+    cfg = _fit_model_and_size(cfg, usable, world, device.type == "cuda")
+    files, cached, skipped = _cache(cfg, usable, skipped, is_main)
     variant = variant_for(cfg)
     cfg = resolve_before_training(cfg, variant, len(files), world, device.type == "cuda")
     if ckpt is not None and _must_match_diffs(cfg, ckpt["config"]):
