@@ -12,7 +12,9 @@ monitor sees it, and the same network with its BatchNorm statistics fitted to th
 (``torch.optim.swa_utils.update_bn``, no weight changes). A freshly built network normalises with mean 0 and
 variance 1; a few forward passes over the data lift some collections' k-NN by several points (the Oxygen icons:
 57 -> 69 %) -- a recipe that merely stays near its initialisation while its BatchNorm statistics adapt looks as if
-it learned. Learning means beating the second line.
+it learned. Learning means beating the second line. A third line is the images themselves: L2 k-NN on the raw
+pixels of the same evaluation crops, the best k of 1 / 5 / 20 (``KnnMonitor.pixel_accuracy``); an encoder
+that does not beat it is not worth indexing with.
 
     python bench/learning_curves.py --datasets demo tuxpaint=/work/datasets/tuxpaint_split \\
         icons=/work/datasets/icons_split --recipes auto_v2 paper_v2 auto_v3 --budget 150s --seeds 0 1 \\
@@ -117,7 +119,8 @@ def random_baselines(knn: Path, seeds: list[int], cache_root: str | None) -> dic
         with torch.no_grad():  # a batch of one has no batch statistics
             update_bn((x for x in monitor.inputs(monitor.splits[0], cpu) if len(x) > 1), backbone)
         fitted.append(monitor.evaluate(backbone, cpu))
-    return {"seeds": seeds, "random": raw, "random_bn": fitted}
+    pixels = monitor.pixel_accuracy()
+    return {"seeds": seeds, "random": raw, "random_bn": fitted, "pixels": max(pixels.values()), "pixels_by_k": pixels}
 
 
 def run_one(
@@ -205,9 +208,14 @@ def plot(report: dict, path: Path) -> None:
                         label=label if j == 0 else None,
                     )
         base = entry.get("baselines") or {}
-        for key, style, text in (("random", ":", "random init"), ("random_bn", "-.", "random init, BN fitted")):
+        for key, style, text in (
+            ("random", ":", "random init"),
+            ("random_bn", "-.", "random init, BN fitted"),
+            ("pixels", "--", "raw pixels, L2, best k of 1/5/20"),
+        ):
             if base.get(key):
-                mean = 100 * sum(base[key]) / len(base[key])
+                values = base[key] if isinstance(base[key], list) else [base[key]]
+                mean = 100 * sum(values) / len(values)
                 ax.axhline(mean, color="grey", linestyle=style, linewidth=1.2, label=f"{text}: {mean:.1f} %")
         ax.set_title(f"{name} ({entry['images']} training images)")
         ax.set_xlabel(f"minutes of training (--time-budget {report['budget']}, {report['cpu_count']} CPU cores)")
@@ -215,7 +223,10 @@ def plot(report: dict, path: Path) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     seeds = report.get("seeds", [0])
-    fig.suptitle(f"MoCo learning curves, ResNet-18 at {IMAGE_SIZE} px, seeds {seeds}: final k-NN mean ± sd over seeds")
+    fig.suptitle(
+        f"MoCo learning curves, ResNet-18 at {IMAGE_SIZE} px unless a recipe sets --image-size (baselines at "
+        f"{IMAGE_SIZE} px), seeds {seeds}: final k-NN mean ± sd over seeds"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

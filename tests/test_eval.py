@@ -265,3 +265,33 @@ def test_eval__unlabeled_or_missing_folders_are_one_line_errors(trained_run, col
     assert err.count("\n") == 1 and "--test folder" in err and "class subfolders" in err
     assert main(["eval", "knn", "--train", str(train_dir), "--test", str(train_dir), str(tmp_path / "nope")]) == 4
     assert "no checkpoint at" in capsys.readouterr().err
+
+
+def test_pixel_knn__l2_majority_vote_for_each_k_and_leave_one_out():
+    from moco_retrieval.trainer.knn import pixel_knn_accuracy
+
+    train = torch.tensor([[0.0], [0.1], [0.2], [5.0], [5.1], [9.0]])
+    labels = torch.tensor([0, 0, 0, 1, 1, 0])
+    test = torch.tensor([[0.05], [5.05], [8.0]])
+    assert pixel_knn_accuracy(train, labels, test, torch.tensor([0, 1, 1]), ks=(1, 5)) == {
+        1: pytest.approx(2 / 3),  # 8.0 is nearest to the lone 0 at 9.0
+        5: pytest.approx(1 / 3),  # 5.05's and 8.0's five nearest hold three 0s
+    }
+    # leave-one-out: each point is classified by the others, never by itself
+    assert pixel_knn_accuracy(train, labels, ks=(1,)) == {1: pytest.approx(5 / 6)}
+
+
+def test_knn_monitor__pixel_baseline_separates_images_that_differ_in_their_pixels(tmp_path):
+    """Two classes of plain colours with noise: raw-pixel k-NN (the baseline an encoder must beat) gets them all,
+    leave-one-out, at every k."""
+    from moco_retrieval.trainer.monitor import KnnMonitor
+
+    rng = np.random.default_rng(0)
+    for label, colour in (("red", (200, 30, 30)), ("blue", (30, 30, 200))):
+        (tmp_path / "data" / label).mkdir(parents=True)
+        for i in range(12):
+            noise = rng.integers(-20, 20, (16, 16, 3))
+            pixels = np.clip(np.array(colour) + noise, 0, 255).astype(np.uint8)
+            Image.fromarray(pixels).save(tmp_path / "data" / label / f"{i}.png")
+    monitor = KnnMonitor(tmp_path / "data", 16, cache_root=tmp_path / "cache")
+    assert monitor.pixel_accuracy() == {1: 1.0, 5: 1.0, 20: pytest.approx(1.0)}

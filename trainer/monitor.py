@@ -27,7 +27,7 @@ from moco_retrieval.trainer.batch_augment import crop_resize
 from moco_retrieval.trainer.data import CachedBatchDataset, eval_batches
 from moco_retrieval.trainer.image_cache import ImageCache, cache_side
 from moco_retrieval.trainer.image_survey import evenly_spread
-from moco_retrieval.trainer.knn import knn_accuracy
+from moco_retrieval.trainer.knn import knn_accuracy, pixel_knn_accuracy
 
 LOG = logging.getLogger(__name__)
 
@@ -120,6 +120,15 @@ class KnnMonitor:
     def features(self, backbone: nn.Module, split: _Split, device: torch.device) -> torch.Tensor:
         """L2-normalised float32 features ``[N, D]`` (on the CPU) of a split, in eval mode."""
         return torch.cat([F.normalize(backbone(x).float(), dim=1).cpu() for x in self.inputs(split, device)])
+
+    def pixel_accuracy(self) -> dict[int, float]:
+        """``{k: top-1}`` of L2 k-NN on the evaluation crops' raw pixels (k of :data:`trainer.knn.PIXEL_KS`): what
+        a backbone's features must beat to be worth anything."""
+        cpu = torch.device("cpu")
+        xs = [torch.cat(list(self.inputs(split, cpu))) for split in self.splits]
+        if len(xs) == 1:
+            return pixel_knn_accuracy(xs[0], self.splits[0].labels)
+        return pixel_knn_accuracy(xs[0], self.splits[0].labels, xs[1], self.splits[1].labels)
 
     def evaluate(self, backbone: nn.Module, device: torch.device) -> float:
         """Top-1 accuracy in [0, 1] of weighted k-NN on the backbone's features."""

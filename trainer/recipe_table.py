@@ -74,9 +74,12 @@ NOT_MEASURED = "not yet measured on real collections"
 # The network and its input size (issue 19: the defaults were ResNet-50 at 224 px everywhere, so a 2-core CPU
 # upscaled 28-px images 8x and trained a fraction of an epoch in 30 minutes).
 PAPER_ARCH, PAPER_IMAGE_SIZE = "resnet50", 224
-AUTO_ARCH_CPU = "resnet18"  # measured images/s on 2 cores: see ARCH_SPEED_CPU
+AUTO_ARCH_CPU = "resnet18"  # see ARCH_SPEED_CPU
 AUTO_ARCH_GPU = "resnet50"
-ARCH_SPEED_CPU = "ResNet-18 at 32 px trains at about 500 images/s on 2 cores, ResNet-50 at 224 px at about 8"
+ARCH_SPEED_CPU = (  # bench/results/train_throughput_cpu_r{18_32_64,50_224}_fp32.json, 2 cores, fp32, step alone
+    "ResNet-18 at 32 px trains at 221 images/s on 2 cores, ResNet-50 at 224 px at 2.0: an epoch of 60,000 images "
+    "takes 4.5 minutes against 8 hours"
+)
 SIDE_STEP = 16  # an auto training size is the images' median shorter side rounded up to a multiple of this
 SIDE_RANGE_CPU = (32, 32)  # 64 px lost to 32 px at equal time on real collections: see SIDE_WHY_CPU
 SIDE_RANGE_GPU = (32, PAPER_IMAGE_SIZE)
@@ -198,10 +201,10 @@ def _auto_side_why(s: Situation) -> str:
     return f"{seen}: rounded up to a multiple of {SIDE_STEP}, within {low}-{high} px on a GPU"
 
 
-SIDE_WHY_CPU = (
-    "64 px costs 4x the compute of 32 px and lost to it in 4-minute runs on 2 cores (k-NN top-1 tuxpaint "
-    "43.4% at 32 px against 33.0% at 64, icons 59.1% against 56.3%); larger images are shrunk, none upscaled "
-    "past it"
+SIDE_WHY_CPU = (  # bench/results/learning_curves_sizes_cpu_240s.json
+    "64 px runs at a third of the images/s of 32 px (73 against 221 on 2 cores) and lost to it in 4-minute "
+    "runs on three real collections (k-NN top-1 at 32 / 64 px: tuxpaint 51.1 / 40.7%, icons 61.9 / 61.1%, "
+    "openclipart 54.3 / 51.8%); larger images are shrunk, none upscaled past it"
 )
 
 
