@@ -26,6 +26,7 @@ RESNETS = ("resnet18", "resnet34", "resnet50")
 VITS = ("vit_tiny", "vit_small", "vit_base")
 ARCHS = RESNETS + VITS
 STEMS = ("auto", "imagenet", "small")
+AUTO_WORD_OPTIONS = ("stem", "arch")  # left unset as the word "auto" (every other option: None)
 RECIPES = ("auto", "paper")
 
 # Fields that define the model, the data order or the objective: a resumed run must match them.
@@ -47,6 +48,12 @@ RESUME_MUST_MATCH = (
     "init",
 )
 GROUPS = ("model", "recipe and schedule", "running", "k-NN monitor")
+
+
+def left_to_recipe(name: str, value) -> bool:
+    """True when ``value`` of option ``name`` means "the recipe chooses": ``None``, or ``auto`` for
+    :data:`AUTO_WORD_OPTIONS`. The recipe fills such options; a resumed run takes them from its checkpoint."""
+    return value is None or (name in AUTO_WORD_OPTIONS and value == "auto")
 
 
 def _default_workers() -> int:

@@ -20,7 +20,7 @@ import logging
 import math
 
 from moco_retrieval.contracts.errors import ConfigError, DataError
-from moco_retrieval.trainer.config import VITS, TrainConfig
+from moco_retrieval.trainer.config import VITS, TrainConfig, left_to_recipe
 from moco_retrieval.trainer.image_survey import ImageSurvey
 from moco_retrieval.trainer.recipe_table import (
     AUTO_TAU_FRACTION,
@@ -91,7 +91,7 @@ def check_batch_divides(batch_size: int, world_size: int) -> None:
 
 
 def _unset(cfg: TrainConfig, option: str) -> bool:
-    return getattr(cfg, option) is None or (option in ("stem", "arch") and getattr(cfg, option) == "auto")
+    return left_to_recipe(option, getattr(cfg, option))
 
 
 def _fill(

@@ -36,7 +36,7 @@ from moco_retrieval.trainer.checkpoint import (
     save_atomic,
     set_rng_state,
 )
-from moco_retrieval.trainer.config import RESUME_MUST_MATCH, TrainConfig
+from moco_retrieval.trainer.config import RESUME_MUST_MATCH, TrainConfig, left_to_recipe
 from moco_retrieval.trainer.data import CachedBatchDataset, epoch_sampler, training_loader
 from moco_retrieval.trainer.device import resolve_amp, resolve_device
 from moco_retrieval.trainer.image_cache import ImageCache, cache_side
@@ -157,7 +157,7 @@ def _merge_saved(cfg: TrainConfig, saved: dict, path: Path) -> TrainConfig:
         if name not in values:
             continue
         asked_again = "requested" in derived.get(name, {}) and values[name] == derived[name]["requested"]
-        if values[name] is None or (name in ("stem", "arch") and values[name] == "auto") or asked_again:
+        if left_to_recipe(name, values[name]) or asked_again:
             values[name] = value
     values["derived"] = derived
     values["run_id"] = saved.get("run_id", "")
