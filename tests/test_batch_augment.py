@@ -127,6 +127,22 @@ def test_sample_view__probabilities_and_ranges_are_the_configured_ones(spec):
     assert (firsts - 0.25).abs().max() < tol
 
 
+def test_crop_min_scale__raises_every_views_smallest_crop_and_is_validated():
+    from moco_retrieval.contracts.errors import ConfigError
+    from moco_retrieval.trainer.config import TrainConfig
+
+    assert B.with_crop_min_scale(B.MOCO_V3_VIEWS, None) is B.MOCO_V3_VIEWS  # unset: the paper's views
+    views = B.with_crop_min_scale(B.MOCO_V3_VIEWS, 0.5)
+    assert [v.crop_scale for v in views] == [(0.5, 1.0), (0.5, 1.0)]
+    assert [v.blur_p for v in views] == [v.blur_p for v in B.MOCO_V3_VIEWS]  # nothing else changes
+    p = B.sample_view(views[0], torch.full((N_STAT,), 40.0), torch.full((N_STAT,), 40.0), torch.Generator())
+    assert p.crop_area.min() >= 0.5 - 0.03  # rounding to whole pixels of a 40 px image
+    assert TrainConfig(data_dir="d", out_dir="o", crop_min_scale=0.5).crop_min_scale == 0.5
+    for bad in (0.0, 1.5):
+        with pytest.raises(ConfigError, match="crop-min-scale"):
+            TrainConfig(data_dir="d", out_dir="o", crop_min_scale=bad)
+
+
 # -- the whole pipeline --------------------------------------------------------------------------------------------
 def _cached_batch(n: int, side: int = 40, seed: int = 0) -> torch.Tensor:
     return (_images(n, size=side, seed=seed) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).contiguous()

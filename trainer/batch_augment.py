@@ -24,6 +24,7 @@ with PIL's antialiasing filter from the original.
 from __future__ import annotations
 
 import math
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -60,6 +61,13 @@ MOCO_V3_VIEWS = (
     ViewSpec(crop_scale=(0.08, 1.0), saturation=0.2, blur_p=1.0, solarize_p=0.0),
     ViewSpec(crop_scale=(0.08, 1.0), saturation=0.2, blur_p=0.1, solarize_p=0.2),
 )
+
+
+def with_crop_min_scale(views: tuple[ViewSpec, ...], low: float | None) -> tuple[ViewSpec, ...]:
+    """``views`` with their crops' smallest area fraction set to ``low`` (unchanged when ``low`` is None)."""
+    if low is None:
+        return views
+    return tuple(dataclasses.replace(view, crop_scale=(low, view.crop_scale[1])) for view in views)
 
 
 def blur_kernel_size(image_size: int) -> int:

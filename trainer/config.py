@@ -196,6 +196,12 @@ class TrainConfig:
         None, "weight decay (1e-4 v2, 1e-6 LARS, 0.1 AdamW; v3 exempts biases and norms)", "recipe and schedule"
     )
     sgd_momentum: float = option(0.9, "SGD / LARS momentum", "recipe and schedule")
+    crop_min_scale: float | None = option(
+        None,
+        "smallest random crop of a view, as a fraction of the image's area, 0-1 (paper: 0.2 v2, 0.08 v3; "
+        "default: the paper's); raise it when small objects do not survive the paper's crops",
+        "recipe and schedule",
+    )
     # -- running ------------------------------------------------------------------------------------------------
     workers: int = option(
         _default_workers,
@@ -303,6 +309,8 @@ class TrainConfig:
                 f"{self.image_size} px image; use --patch-size {max(1, self.image_size // 8)} "
                 f"or larger images"
             )
+        if self.crop_min_scale is not None and not 0.0 < self.crop_min_scale <= 1.0:
+            raise ConfigError(f"--crop-min-scale must be in (0, 1], got {self.crop_min_scale}")
         if self.momentum is not None and not 0.0 <= self.momentum < 1.0:
             raise ConfigError(f"--momentum must be in [0, 1), got {self.momentum}")
         if self.epochs is not None and self.warmup_epochs is not None and self.warmup_epochs >= self.epochs:

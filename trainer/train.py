@@ -27,7 +27,7 @@ from moco_retrieval.contracts.atomic import check_writable, link_or_copy_atomic,
 from moco_retrieval.contracts.errors import ConfigError, DataError
 from moco_retrieval.contracts.images import no_images_message, walk_image_files
 from moco_retrieval.trainer import dist
-from moco_retrieval.trainer.batch_augment import TwoViewAugment
+from moco_retrieval.trainer.batch_augment import TwoViewAugment, with_crop_min_scale
 from moco_retrieval.trainer.checkpoint import (
     LAST,
     checkpoint_dict,
@@ -302,7 +302,9 @@ def _build_loader(
     loader = training_loader(
         dataset, cfg.batch_size // world, loader_workers, rank, world, cfg.seed, device.type == "cuda"
     )
-    return loader, TwoViewAugment(variant.views(), cfg.image_size, variant.memory_format)
+    return loader, TwoViewAugment(
+        with_crop_min_scale(variant.views(), cfg.crop_min_scale), cfg.image_size, variant.memory_format
+    )
 
 
 def _plan(
