@@ -127,12 +127,14 @@ def test_sample_view__probabilities_and_ranges_are_the_configured_ones(spec):
     assert (firsts - 0.25).abs().max() < tol
 
 
-def test_crop_min_scale__raises_every_views_smallest_crop_and_is_validated():
+def test_adapted_views__crop_min_scale_and_no_blur_change_every_view_and_are_validated():
     from moco_retrieval.contracts.errors import ConfigError
     from moco_retrieval.trainer.config import TrainConfig
 
-    assert B.with_crop_min_scale(B.MOCO_V3_VIEWS, None) is B.MOCO_V3_VIEWS  # unset: the paper's views
-    views = B.with_crop_min_scale(B.MOCO_V3_VIEWS, 0.5)
+    assert B.adapted_views(B.MOCO_V3_VIEWS, None, None) is B.MOCO_V3_VIEWS  # unset: the paper's views
+    assert B.adapted_views(B.MOCO_V3_VIEWS, blur=True) is B.MOCO_V3_VIEWS
+    assert [v.blur_p for v in B.adapted_views(B.MOCO_V3_VIEWS, blur=False)] == [0.0, 0.0]
+    views = B.adapted_views(B.MOCO_V3_VIEWS, 0.5)
     assert [v.crop_scale for v in views] == [(0.5, 1.0), (0.5, 1.0)]
     assert [v.blur_p for v in views] == [v.blur_p for v in B.MOCO_V3_VIEWS]  # nothing else changes
     p = B.sample_view(views[0], torch.full((N_STAT,), 40.0), torch.full((N_STAT,), 40.0), torch.Generator())

@@ -63,11 +63,16 @@ MOCO_V3_VIEWS = (
 )
 
 
-def with_crop_min_scale(views: tuple[ViewSpec, ...], low: float | None) -> tuple[ViewSpec, ...]:
-    """``views`` with their crops' smallest area fraction set to ``low`` (unchanged when ``low`` is None)."""
-    if low is None:
-        return views
-    return tuple(dataclasses.replace(view, crop_scale=(low, view.crop_scale[1])) for view in views)
+def adapted_views(
+    views: tuple[ViewSpec, ...], crop_min_scale: float | None = None, blur: bool | None = None
+) -> tuple[ViewSpec, ...]:
+    """``views`` with their crops' smallest area fraction set to ``crop_min_scale`` and their blur left out when
+    ``blur`` is False (each unchanged when None: the paper's views)."""
+    if crop_min_scale is not None:
+        views = tuple(dataclasses.replace(v, crop_scale=(crop_min_scale, v.crop_scale[1])) for v in views)
+    if blur is False:
+        views = tuple(dataclasses.replace(v, blur_p=0.0) for v in views)
+    return views
 
 
 def blur_kernel_size(image_size: int) -> int:

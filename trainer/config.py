@@ -202,6 +202,13 @@ class TrainConfig:
         "default: the paper's); raise it when small objects do not survive the paper's crops",
         "recipe and schedule",
     )
+    blur: bool | None = option(
+        None,
+        "Gaussian blur in the views (default: the paper's, blur on; --no-blur leaves it out, as SimCLR did "
+        "for 32-px CIFAR images, where a sigma of up to 2 px erases the detail)",
+        "recipe and schedule",
+        action=argparse.BooleanOptionalAction,
+    )
     # -- running ------------------------------------------------------------------------------------------------
     workers: int = option(
         _default_workers,

@@ -27,7 +27,7 @@ from moco_retrieval.contracts.atomic import check_writable, link_or_copy_atomic,
 from moco_retrieval.contracts.errors import ConfigError, DataError
 from moco_retrieval.contracts.images import no_images_message, walk_image_files
 from moco_retrieval.trainer import dist
-from moco_retrieval.trainer.batch_augment import TwoViewAugment, with_crop_min_scale
+from moco_retrieval.trainer.batch_augment import TwoViewAugment, adapted_views
 from moco_retrieval.trainer.checkpoint import (
     LAST,
     checkpoint_dict,
@@ -303,7 +303,7 @@ def _build_loader(
         dataset, cfg.batch_size // world, loader_workers, rank, world, cfg.seed, device.type == "cuda"
     )
     return loader, TwoViewAugment(
-        with_crop_min_scale(variant.views(), cfg.crop_min_scale), cfg.image_size, variant.memory_format
+        adapted_views(variant.views(), cfg.crop_min_scale, cfg.blur), cfg.image_size, variant.memory_format
     )
 
 
