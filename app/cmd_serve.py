@@ -118,22 +118,27 @@ def _many(args) -> bool:
 
 
 def _answer_many(args, answer, row, columns) -> int:
-    from moco_retrieval.app.query_files import answer_in_batches, expand_queries, output_format, write_rows
+    """Answer every query image into rows: decoded in worker processes, embedded in whole batches with the served
+    encoder, answered by ``answer(engine, vectors)`` (``search_vectors`` / ``classify_vectors``)."""
+    from contextlib import closing
+
+    from moco_retrieval.app.query_files import answer_files, decode_workers, expand_queries, output_format, write_rows
     from moco_retrieval.serve.engine import SearchEngine
 
     fmt = output_format(args.out, args.format)  # before the engine starts: a bad --out fails at once
     paths = expand_queries(args.image)
-    with SearchEngine(args.index_dir, _engine_config(args, poll_seconds=0)) as engine:
-        from moco_retrieval.indexer.encoder import available_cores
-
-        workers = engine.config.decode_slots or available_cores()  # decodes in parallel, as the server's
-        rows = (
-            row(path, res)
-            for path, res in answer_in_batches(
-                paths, engine.config.max_batch, lambda chunk: answer(engine, chunk), workers
-            )
+    with SearchEngine(args.index_dir, _engine_config(args, poll_seconds=0)) as engine:  # no watcher: one encoder
+        batch = engine.config.max_batch
+        answers = answer_files(
+            engine.encoder,
+            paths,
+            lambda xq: answer(engine, xq),
+            batch,
+            decode_workers(len(paths), batch, engine.config.decode_slots),
+            progress=args.progress and len(paths) > batch,
         )
-        n = write_rows(rows, args.out, fmt, columns)
+        with closing(answers):  # leaving early (an error, a closed pipe) stops the decoding processes
+            n = write_rows((row(path, res) for path, res in answers), args.out, fmt, columns)
     if args.out is not None:
         print(f"{n} queries answered into {args.out}")
     return 0
@@ -147,7 +152,7 @@ def cmd_search(args: argparse.Namespace) -> int:
 
         flt = _filter(args)
         return _answer_many(
-            args, lambda engine, chunk: engine.search(chunk, args.k, args.min_score, flt), search_row, SEARCH_COLUMNS
+            args, lambda engine, xq: engine.search_vectors(xq, args.k, args.min_score, flt), search_row, SEARCH_COLUMNS
         )
     from moco_retrieval.serve.answers import search_answer
 
@@ -174,7 +179,10 @@ def cmd_classify(args: argparse.Namespace) -> int:
         from moco_retrieval.app.query_files import CLASSIFY_COLUMNS, classify_row
 
         return _answer_many(
-            args, lambda engine, chunk: engine.classify(chunk, args.k, args.temperature), classify_row, CLASSIFY_COLUMNS
+            args,
+            lambda engine, xq: engine.classify_vectors(xq, args.k, args.temperature),
+            classify_row,
+            CLASSIFY_COLUMNS,
         )
     from moco_retrieval.serve.answers import classify_answer
 
@@ -248,6 +256,12 @@ def _batch_output(p: argparse.ArgumentParser) -> None:
         "without --out print JSONL",
     )
     p.add_argument("--format", choices=FORMATS, default=None, help="the rows' format (default: --out's suffix)")
+    p.add_argument(
+        "--no-progress",
+        dest="progress",
+        action="store_false",
+        help="no progress bar over many images (for logs)",
+    )
 
 
 def register(sub) -> None:

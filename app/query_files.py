@@ -1,9 +1,10 @@
 """Many queries from the command line: ``moco search`` / ``moco classify`` over several images or whole folders,
-answered in micro-batches and written as CSV or JSONL, one row per query image in the order given (a folder's
-images in path order).
+written as CSV or JSONL, one row per query image in the order given (a folder's images in path order).
 
-A query image that does not decode is one row with its ``error``, not the end of the run: a batch that fails is
-answered again one image at a time.
+Worker processes read and decode the files with the indexer's decoder (:mod:`indexer.decode`: the one decode and
+the encoder's resize, results in input order), so decoding is not bound by this interpreter's GIL; this process
+embeds whole batches with the served encoder and answers them by vector search (``SearchEngine.search_vectors`` /
+``classify_vectors``). A query image that does not decode is one row with its ``error``, not the end of the run.
 """
 
 from __future__ import annotations
@@ -13,8 +14,11 @@ import json
 import logging
 import os
 import sys
+from itertools import islice
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
+
+import numpy as np
 
 from moco_retrieval.contracts.errors import ConfigError, DataError
 from moco_retrieval.contracts.filenames import display_name
@@ -63,32 +67,60 @@ def output_format(out: str | None, fmt: str | None) -> str:
     return suffix
 
 
-def answer_in_batches(
-    paths: list[str], batch: int, answer: Callable[[list[str]], list], workers: int = 1
+def decode_workers(n: int, batch: int, slots: int | None = None) -> int:
+    """Processes decoding ``n`` query files: none (this process decodes) when they fit in one batch, since there is
+    no encoder work to overlap and starting a pool costs more than a few decodes; else ``slots`` when given
+    (``EngineConfig.decode_slots``), else the indexer's default (the cores but the one feeding the encoder)."""
+    if n <= batch:
+        return 0
+    if slots is not None:
+        return slots
+    from moco_retrieval.indexer.build import default_workers
+
+    return default_workers()
+
+
+def answer_files(
+    encoder,
+    paths: list[str],
+    answer: Callable[[np.ndarray], list],
+    batch: int,
+    workers: int,
+    progress: bool = False,
 ) -> Iterator[tuple[str, object]]:
-    """``(path, answer or DataError)`` of each path, in order: ``batch`` paths per call, ``workers`` calls at once
-    (each decodes its images in its own thread while the engine's batcher embeds another's), a failed batch
-    again one by one so that a bad image costs only its own row."""
-    from concurrent.futures import ThreadPoolExecutor
+    """``(path, answer or DataError)`` of each path, in the order given.
 
-    def run(chunk: list[str]) -> list[tuple[str, object]]:
-        try:
-            return list(zip(chunk, answer(chunk)))
-        except DataError:
-            out = []
-            for path in chunk:
-                try:
-                    (res,) = answer([path])
-                except DataError as exc:
-                    LOG.warning("%s: %s", path, exc)
-                    res = exc
-                out.append((path, res))
-            return out
+    Args:
+        encoder: the served encoder (``SearchEngine.encoder``): its ``image_size`` and ``resize`` for the decode,
+            its ``embed`` for the batches.
+        answer: float32 ``[m, D]`` unit rows -> ``m`` answers (``engine.search_vectors`` or ``classify_vectors``).
+        batch: files per encoder call (failed ones included, so a batch embeds at most this many).
+        workers: decoding processes (:func:`indexer.decode.decode_files`; 0: this process decodes).
+        progress: a progress bar on stderr.
 
-    chunks = [paths[start : start + batch] for start in range(0, len(paths), batch)]
-    with ThreadPoolExecutor(max(1, workers), thread_name_prefix="moco-queries") as pool:
-        for rows in pool.map(run, chunks):  # in order, whatever order they finish in
-            yield from rows
+    A file that does not decode comes back as a :class:`DataError` with the decoder's one-line reason (logged).
+    Close the iterator when leaving early: that stops the decoding processes.
+    """
+    from tqdm import tqdm
+
+    from moco_retrieval.indexer.decode import decode_files
+
+    stream = decode_files(Path(), paths, encoder.image_size, encoder.resize, workers)
+    bar = tqdm(total=len(paths), unit="img", desc="queries", disable=not progress, dynamic_ncols=True, smoothing=0.1)
+    try:
+        while chunk := list(islice(stream, batch)):
+            good = [d.pixels for d in chunk if d.pixels is not None]
+            answers = iter(answer(encoder.embed(np.stack(good))) if good else ())
+            for d in chunk:
+                if d.pixels is None:
+                    LOG.warning("%s: %s", display_name(d.path), d.error)
+                    yield d.path, DataError(d.error)
+                else:
+                    yield d.path, next(answers)
+            bar.update(len(chunk))
+    finally:
+        stream.close()  # leaves the pool's context: its processes end
+        bar.close()
 
 
 def _hits(hits: list[dict]) -> list[dict]:

@@ -45,6 +45,7 @@ class EngineConfig:
     # docs/ARCHITECTURE.md, "Measured lessons").
     max_wait_ms: float = 0.0
     # Decodes running at once (default: the usable cores); more wait. Bounds the memory of concurrent uploads.
+    # `moco search|classify` over many images: the decoding processes (default: the cores but one, as `moco index`).
     decode_slots: int | None = None
     poll_seconds: float = option(
         1.0, "how often to check INDEX_DIR for a newly published index, in seconds (0: never)", "index"

@@ -6,10 +6,12 @@ concurrent queries (:mod:`serve.batching`), and its neighbours' records are read
 own read-only transaction, so threads never share one). Tombstoned ids never come back: the index is searched
 a little deeper than ``k`` and ids without a live record are dropped.
 
-Two ways in: :meth:`SearchEngine.search` (and ``classify``) decode in the caller's thread and wait for the
-batch (the CLI, the Gradio UI); :meth:`SearchEngine.search_async` (the HTTP API) decodes on the engine's decode
-threads and awaits the batch without holding a thread. At most ``decode_slots`` decodes run at once, whoever
-asks (a semaphore), so concurrent hostile uploads cannot each allocate a large image at the same time.
+Three ways in: :meth:`SearchEngine.search` (and ``classify``) decode in the caller's thread and wait for the
+batch (one image on the CLI, the Gradio UI); :meth:`SearchEngine.search_async` (the HTTP API) decodes on the
+engine's decode threads and awaits the batch without holding a thread; :meth:`SearchEngine.search_vectors` (and
+``classify_vectors``) answer vectors the caller embedded with :attr:`SearchEngine.encoder` (the CLI over many
+images, which decodes them in worker processes). At most ``decode_slots`` of the engine's decodes run at once,
+whoever asks (a semaphore), so concurrent hostile uploads cannot each allocate a large image at the same time.
 
 The engine watches ``CURRENT`` of the index directory; when ``moco index`` publishes a new generation it
 opens and checks it beside the old one, switches new requests to it, and closes the old one once its last
@@ -43,7 +45,7 @@ from moco_retrieval.contracts.errors import (
 )
 from moco_retrieval.contracts.images import decode_image
 from moco_retrieval.contracts.knn import KNN_TEMPERATURE, SEARCH_K
-from moco_retrieval.indexer.encoder import available_cores
+from moco_retrieval.indexer.encoder import OnnxEncoder, available_cores
 from moco_retrieval.indexer.filters import threshold_factor
 from moco_retrieval.indexer.layout import current_generation
 from moco_retrieval.indexer.records import ItemRecord
@@ -657,6 +659,19 @@ class SearchEngine:
         k, temperature = self._check_classify(k, temperature)
         return self._votes(self._neighbours(images, k), temperature)
 
+    def classify_vectors(
+        self, xq: np.ndarray, k: int | None = None, temperature: float | None = None
+    ) -> list[Classification]:
+        """:meth:`classify` of query vectors (``xq`` as in :meth:`search_vectors`): for callers that embed
+        themselves, e.g. ``moco classify`` over a folder, which decodes in worker processes.
+
+        Raises:
+            ArtifactError: the index has no labeled items. DataError: not a finite ``[n, D]`` array of unit rows.
+            ConfigError: k or temperature out of range.
+        """
+        k, temperature = self._check_classify(k, temperature)
+        return self._votes(self.search_vectors(xq, k), temperature)
+
     def classify_by_id(self, item_id: int, k: int | None = None, temperature: float | None = None) -> Classification:
         """:meth:`classify` of an indexed item by its stored vector (the item itself does not vote)."""
         k, temperature = self._check_classify(k, temperature)
@@ -700,6 +715,13 @@ class SearchEngine:
         """label -> live item count of the live generation (empty for an unlabeled corpus)."""
         with self._generation() as gen:
             return gen.labels()
+
+    @property
+    def encoder(self) -> OnnxEncoder:
+        """The live generation's encoder (``image_size``, ``resize``, ``embed``), for callers that decode and embed
+        query images themselves, then answer with :meth:`search_vectors` / :meth:`classify_vectors`. With a
+        watcher (``poll_seconds`` > 0) a newly published generation may bring another one between two calls."""
+        return self._current.encoder
 
     @property
     def image_root(self) -> Path:
