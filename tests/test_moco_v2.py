@@ -145,3 +145,14 @@ def test_config__round_trips_json_and_scales_lr():
 def test_config__rejects_bad_values(changes, message):
     with pytest.raises(ConfigError, match=message):
         TrainConfig(data_dir="d", out_dir="o", **changes)
+
+
+@pytest.mark.parametrize("stem, grid", [("imagenet", 1), ("nopool", 2), ("small", 4)])
+def test_stems__the_resolution_each_leaves_at_layer4(stem, grid):
+    backbone, dim = build_resnet("resnet18", stem)
+    x = torch.randn(2, 3, 32, 32)
+    trunk = torch.nn.Sequential(*list(backbone.children())[:-2])  # up to layer4, before the pooling
+    assert trunk(x).shape == (2, dim, grid, grid)
+    assert backbone(x).shape == (2, dim)
+    with pytest.raises(ConfigError, match="nopool"):
+        build_resnet("resnet18", "tiny")

@@ -302,6 +302,8 @@ def test_errors__wrong_arch_names_expected_found_and_first_keys(sources, tmp_pat
     assert "expected resnet50, found resnet18" in _one_line(exc) and "--arch resnet18" in str(exc.value)
     with pytest.raises(ConfigError, match="--stem small does not fit"):
         configure(_train_cfg(tmp_path, path, stem="small"), read_pretrained(path))
+    # the max-pool holds no weights: an ImageNet-stem file fits --stem nopool
+    assert configure(_train_cfg(tmp_path, path, stem="nopool"), read_pretrained(path)).stem == "nopool"
     vit, _ = sources["moco_v3_vit"]
     with pytest.raises(ConfigError, match="add --moco-version 3"):
         configure(_train_cfg(tmp_path, vit), read_pretrained(vit))

@@ -65,8 +65,9 @@ def build_resnet(arch: str, stem: str = "imagenet", bn_splits: int = 1) -> tuple
 
     Args:
         arch: resnet18, resnet34 or resnet50.
-        stem: ``imagenet`` (7x7 stride-2 conv + max-pool) or ``small`` (3x3 stride-1 conv, no max-pool) for
-            32-96 px inputs, as in the CIFAR versions of MoCo/SimCLR.
+        stem: ``imagenet`` (7x7 stride-2 conv + max-pool), ``nopool`` (the same conv, no max-pool: twice the
+            resolution through the trunk) or ``small`` (3x3 stride-1 conv, no max-pool) for 32-96 px inputs, as
+            in the CIFAR versions of MoCo/SimCLR.
         bn_splits: groups for :class:`SplitBatchNorm2d` (1 = plain BN).
 
     Returns:
@@ -79,8 +80,10 @@ def build_resnet(arch: str, stem: str = "imagenet", bn_splits: int = 1) -> tuple
     if stem == "small":
         model.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
         model.maxpool = nn.Identity()
+    elif stem == "nopool":
+        model.maxpool = nn.Identity()
     elif stem != "imagenet":
-        raise ConfigError(f"unknown stem {stem!r}; use imagenet or small")
+        raise ConfigError(f"unknown stem {stem!r}; use imagenet, nopool or small")
     feature_dim = model.fc.in_features
     model.fc = nn.Identity()
     return model, feature_dim

@@ -25,7 +25,7 @@ from moco_retrieval.contracts.options import option
 RESNETS = ("resnet18", "resnet34", "resnet50")
 VITS = ("vit_tiny", "vit_small", "vit_base")
 ARCHS = RESNETS + VITS
-STEMS = ("auto", "imagenet", "small")
+STEMS = ("auto", "imagenet", "nopool", "small")
 AUTO_WORD_OPTIONS = ("stem", "arch")  # left unset as the word "auto" (every other option: None)
 RECIPES = ("auto", "paper")
 
@@ -112,8 +112,9 @@ class TrainConfig:
     )
     stem: str = option(
         "auto",
-        "ResNet first layers: 'small' keeps the resolution of 32-96 px images (about 9x "
-        "the compute of 'imagenet', which downsamples 4x); auto: see --recipe",
+        "ResNet first layers: 'imagenet' downsamples 4x (7x7 stride-2 conv and a max-pool); 'nopool' leaves "
+        "out the max-pool (2x the resolution, about 3x the compute); 'small' keeps the resolution of 32-96 px "
+        "images (3x3 stride-1 conv, about 9x the compute); auto: see --recipe",
         "model",
         choices=STEMS,
     )

@@ -518,7 +518,7 @@ def configure(cfg, pre: Pretrained):
     else:
         if pre.stem not in ("imagenet", "small"):
             raise ArtifactError(f"--init {pre.name}: a {pre.stem} first convolution fits neither stem")
-        if cfg.stem not in ("auto", pre.stem):
+        if cfg.stem not in ("auto", pre.stem) and (cfg.stem, pre.stem) != ("nopool", "imagenet"):
             raise ConfigError(
                 f"--stem {cfg.stem} does not fit --init {pre.name}: expected {cfg.stem}, found the "
                 f"{pre.stem} stem (conv1.weight {list(pre.backbone['conv1.weight'].shape)})"
