@@ -1,10 +1,14 @@
 """``moco index`` on real images with 1 and N ranks, end to end in images/s, against the encoder alone.
 
-Three measurements on the same folder and encoder (JSON out):
+Four measurements on the same folder and encoder (JSON out):
 
 - **encoder ceiling**: ``OnnxEncoder.embed`` on already decoded, resized batches of ``--batch-size`` with all
   cores (ONNX Runtime's intra-op threads): no reading, decoding, shards, LMDB or FAISS;
-- **1 rank**: ``moco index IMAGE_DIR --out A`` as a subprocess, from nothing to a published generation;
+- **the machine's limit** (issue 25): the cores divided by the single-core milliseconds of decoding one image
+  (the indexer's decoder in one process) plus encoding it (ONNX Runtime with one intra-op thread), what one
+  process could reach if every core did one or the other all the time;
+- **1 rank**: ``moco index IMAGE_DIR --out A`` as a subprocess, from nothing to a published generation, and
+  its fraction of the limit;
 - **N ranks**: ``torchrun --standalone --nproc_per_node N -m moco_retrieval index IMAGE_DIR --out B``, the same.
 
 End-to-end images/s = images indexed / wall time of the command (its start-up included). Both indexes are
@@ -38,14 +42,18 @@ OUT = Path(__file__).resolve().parent / "results"
 ENV = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
 
 
-def encoder_ceiling(model: Path, images: Path, count: int, batch_size: int) -> dict:
+def encoder_ceiling(model: Path, images: Path, count: int, batch_size: int, threads: int | None = None) -> dict:
+    """The encoder alone on decoded batches, with ``threads`` intra-op threads (default: all cores), and the
+    single-core cost of reading, decoding and resizing the same files (the indexer's decoder in this process)."""
     from moco_retrieval.contracts.images import walk_image_files
     from moco_retrieval.indexer.decode import decode_files
     from moco_retrieval.indexer.encoder import OnnxEncoder
 
-    encoder = OnnxEncoder(model, device="cpu")
+    encoder = OnnxEncoder(model, device="cpu", threads=threads)
     paths = [f.path for f in walk_image_files(images)][:count]
+    tic = time.perf_counter()
     pixels = np.stack([d.pixels for d in decode_files(images, paths, encoder.image_size, encoder.resize, 0)])
+    decode_seconds = time.perf_counter() - tic
     encoder.embed(pixels[:batch_size])  # warm-up
     tic = time.perf_counter()
     for start in range(0, len(pixels), batch_size):
@@ -55,8 +63,22 @@ def encoder_ceiling(model: Path, images: Path, count: int, batch_size: int) -> d
         "images": len(pixels),
         "seconds": round(seconds, 2),
         "images_per_s": round(len(pixels) / seconds, 1),
-        "threads": "all cores",
+        "threads": threads or "all cores",
         "batch_size": batch_size,
+        "decode_ms_per_image_one_core": round(1000 * decode_seconds / len(pixels), 4),
+    }
+
+
+def machine_limit(one_thread: dict, cores: int) -> dict:
+    """The most images/s one machine can index when every core either decodes or encodes: ``cores`` divided
+    by the single-core seconds of decoding plus encoding one image."""
+    encode_ms = 1000 / one_thread["images_per_s"]
+    decode_ms = one_thread["decode_ms_per_image_one_core"]
+    return {
+        "cores": cores,
+        "encode_ms_per_image_one_core": round(encode_ms, 4),
+        "decode_ms_per_image_one_core": decode_ms,
+        "images_per_s": round(cores * 1000 / (encode_ms + decode_ms), 1),
     }
 
 
@@ -78,10 +100,16 @@ def run_index(cmd: list[str], count: int) -> dict:
     }
 
 
+def _write(result: dict, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--images", type=Path, required=True, help="folder of real images")
-    p.add_argument("--ranks", type=int, default=2, help="ranks of the torchrun run (default 2)")
+    p.add_argument("--ranks", type=int, default=2, help="ranks of the torchrun run (default 2; 1: no torchrun run)")
     p.add_argument("--model", type=Path, default=None, help="encoder.onnx (default: a random ResNet-18, 32 px)")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--ceiling-images", type=int, default=8192, help="images the encoder alone embeds")
@@ -96,6 +124,7 @@ def main() -> None:
 
             model = make_encoder(work)
         from moco_retrieval.contracts.images import walk_image_files
+        from moco_retrieval.indexer.encoder import available_cores
 
         count = len(walk_image_files(args.images))
         result = {
@@ -108,10 +137,19 @@ def main() -> None:
         }
         result["encoder_ceiling"] = encoder_ceiling(model, args.images, args.ceiling_images, args.batch_size)
         print("encoder", json.dumps(result["encoder_ceiling"]), flush=True)
+        one_thread = encoder_ceiling(model, args.images, args.ceiling_images, args.batch_size, threads=1)
+        result["encoder_one_thread"] = one_thread
+        result["limit"] = machine_limit(one_thread, available_cores())
+        print("limit", json.dumps(result["limit"]), flush=True)
         common = ["--model", str(model), "--device", "cpu", "--batch-size", str(args.batch_size), "--no-progress"]
         one = [sys.executable, "-m", "moco_retrieval", "index", str(args.images), "--out", str(work / "one"), *common]
         result["one_rank"] = run_index(one, count)
+        result["one_rank"]["of_limit"] = round(
+            result["one_rank"]["images_per_s_end_to_end"] / result["limit"]["images_per_s"], 3
+        )
         print("1 rank", json.dumps(result["one_rank"]), flush=True)
+        if args.ranks < 2:
+            return _write(result, args.out)
         many = [
             sys.executable,
             "-m",
@@ -137,9 +175,7 @@ def main() -> None:
                 np.array_equal(ids, b.index.ids())
                 and [r["path"] for r in a.records(ids[::97])] == [r["path"] for r in b.records(ids[::97])]
             )
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {args.out}")
+        _write(result, args.out)
     finally:
         if args.work is None:
             shutil.rmtree(work, ignore_errors=True)

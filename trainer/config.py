@@ -363,15 +363,6 @@ class TrainConfig:
             return self.stem
         return "small" if self.image_size <= 96 else "imagenet"
 
-    def unresolved(self) -> list[str]:
-        """Fields still left to a recipe (``None``)."""
-        return [
-            f.name
-            for f in dataclasses.fields(self)
-            if getattr(self, f.name) is None
-            and f.name not in ("time_budget", "cache_dir", "knn_dir", "amp", "epochs", "knn_every")
-        ] + (["arch"] if self.arch == "auto" else [])
-
     # -- JSON -----------------------------------------------------------------------------------------------------
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
