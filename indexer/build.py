@@ -164,18 +164,26 @@ def _live_generation(layout: IndexLayout, rebuild: bool) -> str | None:
         return names[-1] if names else None
 
 
+# ONNX Runtime's intra-op threads do not spin-wait between batches: the decode processes and this process's own
+# work per image (shards, progress) need the same cores. One process on 2 cores, 56,000 Fashion-MNIST PNGs:
+# 2,504-2,552 images/s without spinning, 2,023-2,254 with it (bench/results/index_limit_fmnist56k_*.json).
+INDEX_ENCODER_SPIN = False
+
+
 def _open_embedder(cfg: IndexConfig, image_root: Path, world: WorldInfo) -> FolderEmbedder:
     threads = max(1, available_cores() // world.local_world_size) if world.world_size > 1 else None
     device = cfg.device
     if world.world_size > 1 and device in ("auto", "cuda"):  # one GPU per rank of a node
         try:
-            encoder = OnnxEncoder(cfg.model, device=f"cuda:{world.local_rank}", threads=threads)
+            encoder = OnnxEncoder(
+                cfg.model, device=f"cuda:{world.local_rank}", threads=threads, spin=INDEX_ENCODER_SPIN
+            )
         except ConfigError:
             if device == "cuda":
                 raise
-            encoder = OnnxEncoder(cfg.model, device="cpu", threads=threads)
+            encoder = OnnxEncoder(cfg.model, device="cpu", threads=threads, spin=INDEX_ENCODER_SPIN)
     else:
-        encoder = OnnxEncoder(cfg.model, device=device, threads=threads)
+        encoder = OnnxEncoder(cfg.model, device=device, threads=threads, spin=INDEX_ENCODER_SPIN)
     workers = cfg.workers if cfg.workers is not None else default_workers(world)
     return FolderEmbedder(encoder, image_root, cfg.batch_size, workers)
 
