@@ -182,6 +182,9 @@ def _load_item(raw: bytes | memoryview | None) -> ItemRecord | None:
     return None if raw is None else ItemRecord.from_dict(json.loads(bytes(raw)))
 
 
+RECORD_CACHE = 100_000  # decoded records a read-only store keeps (about 40 MB of small records)
+_MISSING = object()
+
 # LMDB allows one environment per file per process: read-only opens of the same file share one, counted.
 _SHARED: dict[tuple[int, int], list] = {}  # (st_dev, st_ino) of data.mdb -> [env, users]
 _SHARED_LOCK = threading.Lock()
@@ -403,6 +406,8 @@ class MetadataStore:
         self.path = Path(path)
         self.delta_path = Path(delta) if delta is not None else None
         self.readonly = readonly
+        # read-only: a generation's records never change, so decoded ones are kept (at most RECORD_CACHE)
+        self._cache: dict[int, ItemRecord | None] = {}
         self.env = self._base_env = None
         self._keys: list[tuple[int, int]] = []
         opening = self.path  # the layer being opened, for the message
@@ -549,16 +554,31 @@ class MetadataStore:
     @_reads
     def record(self, item_id: int) -> ItemRecord | None:
         """The live record of ``item_id``, or ``None`` (unknown or tombstoned)."""
-        if item_id < 0:
-            return None
-        with self._read() as view:
-            return _load_item(view.get("items", id_key(item_id)))
+        return self.records([item_id])[0]
 
     @_reads
     def records(self, ids: Iterable[int]) -> list[ItemRecord | None]:
-        """Records of many ids in one read transaction (``None`` where unknown)."""
-        with self._read() as view:
-            return [_load_item(view.get("items", id_key(i))) if i >= 0 else None for i in ids]
+        """Records of many ids in one read transaction (``None`` where unknown).
+
+        A read-only store keeps up to :data:`RECORD_CACHE` decoded records (dropped all at once when full):
+        search results name the same items again and again, and reading and decoding one costs about 20 us
+        (a folder of 10,000 queries with k = 20 read 250,000, a third of ``moco classify``'s time)."""
+        ids = [int(i) for i in ids]
+        known: dict[int, ItemRecord | None] = {}  # taken from the cache (another thread may clear it meanwhile)
+        for i in ids:
+            rec = self._cache.get(i, _MISSING) if i >= 0 else None
+            if rec is not _MISSING:
+                known[i] = rec
+        missing = list(dict.fromkeys(i for i in ids if i not in known))
+        if missing:
+            with self._read() as view:
+                found = {i: _load_item(view.get("items", id_key(i))) for i in missing}
+            known.update(found)
+            if self.readonly:
+                if len(self._cache) + len(found) > RECORD_CACHE:
+                    self._cache.clear()
+                self._cache.update(found)
+        return [known[i] for i in ids]
 
     @_reads
     def id_of_path(self, path: str) -> int | None:

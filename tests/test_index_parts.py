@@ -158,6 +158,23 @@ def test_metadata__duplicates_tombstones_and_promotion(tmp_path):
     ro2.close()
 
 
+def test_metadata__a_read_only_store_keeps_decoded_records_up_to_its_cap(tmp_path, monkeypatch):
+    with MetadataStore(tmp_path / "m", readonly=False) as store:
+        store.add_items([_rec(i, f"{i}.png", f"s{i}") for i in range(5)])
+        store.sync()
+    decoded = []
+    load = metadata._load_item
+    monkeypatch.setattr(metadata, "_load_item", lambda raw: decoded.append(1) or load(raw))
+    monkeypatch.setattr(metadata, "RECORD_CACHE", 3)
+    with MetadataStore(tmp_path / "m") as ro:
+        assert [r.path for r in ro.records([0, 1, 0, 1])] == ["0.png", "1.png", "0.png", "1.png"]
+        assert len(decoded) == 2  # each id decoded once
+        assert ro.records([1, 9, -1]) == [ro.record(1), None, None] and len(decoded) == 3  # 9: unknown, kept too
+        assert [r.path for r in ro.records([2, 3, 4])] == ["2.png", "3.png", "4.png"]  # past the cap: cleared
+        assert len(ro._cache) <= 3 and len(decoded) == 6
+        assert ro.record(4).path == "4.png" and len(decoded) == 6
+
+
 def test_item_record__stored_json_round_trips_byte_for_byte(tmp_path):
     from moco_retrieval.indexer.records import FIELDS, ItemRecord
     from moco_retrieval.serve.answers import Item
