@@ -285,3 +285,37 @@ def test_layout__full_disk_and_non_index_are_one_line_errors(tmp_path):
     layout.current_file.write_text("g000004\n")
     assert current_generation(tmp_path) == "g000004" == layout.current()
     assert json.dumps(str(layout.generation("g000004").manifest)).endswith('g000004/manifest.json"')
+
+
+class _Drawn:
+    """An iterable of paths that counts how many have been drawn from it."""
+
+    def __init__(self, paths: list[str]):
+        self.paths, self.drawn = paths, 0
+
+    def __iter__(self):
+        for p in self.paths:
+            self.drawn += 1
+            yield p
+
+
+def test_decode_files__windows_keep_order_and_bound_the_files_decoded_ahead(tmp_path):
+    """DECODE_WINDOW, crossed with a window of 3: results in input order, a bad file in its place, the same as
+    decoding in this process, and never more than two windows handed to the pool ahead of the reader."""
+    from PIL import Image
+
+    from moco_retrieval.contracts.encoder_format import RESIZE_POLICY
+    from moco_retrieval.indexer.decode import decode_files
+
+    for i in range(11):
+        Image.new("RGB", (20 + i, 16), (10 * i, 0, 0)).save(tmp_path / f"{i:02d}.png")
+    (tmp_path / "05.png").write_bytes(b"not an image")
+    paths = sorted(p.name for p in tmp_path.glob("*.png"))
+    alone = [(d.path, d.width, d.error is None) for d in decode_files(tmp_path, paths, 16, RESIZE_POLICY, 0)]
+    drawn = _Drawn(paths)
+    stream = decode_files(tmp_path, drawn, 16, RESIZE_POLICY, workers=2, chunksize=1, window=3)
+    first = next(stream)
+    assert drawn.drawn <= 2 * 3  # two windows handed to the pool, not the whole list
+    pooled = [first, *stream]
+    assert [(d.path, d.width, d.error is None) for d in pooled] == alone
+    assert [d.path for d in pooled if d.error] == ["05.png"] and drawn.drawn == len(paths)
