@@ -309,6 +309,20 @@ def test_errors__wrong_arch_names_expected_found_and_first_keys(sources, tmp_pat
         configure(_train_cfg(tmp_path, vit), read_pretrained(vit))
 
 
+def test_our_nopool_run__is_a_source_for_training_and_export_with_its_stem(tmp_path):
+    from tests._checkpoints import key_backbone, write_checkpoint
+
+    run = write_checkpoint(None, tmp_path / "src", arch="resnet18", stem="nopool")
+    assert configure(_train_cfg(tmp_path, run), read_pretrained(run)).stem == "nopool"  # its own, not imagenet
+    with pytest.raises(ConfigError, match="--stem small does not fit"):
+        configure(_train_cfg(tmp_path, run, stem="small"), read_pretrained(run))
+    built = backbone_from_source(run, image_size=32)
+    assert isinstance(built.backbone.maxpool, nn.Identity)  # no max-pool came back
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert built.backbone.eval()(x).shape == key_backbone(run)(x).shape == (2, 512)
+
+
 def test_errors__missing_keys_and_shape_differences(sources, tmp_path):
     state = torch.load(sources["torchvision"][0], weights_only=True)
     missing = dict(state)

@@ -17,7 +17,7 @@ from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
 from moco_retrieval.contracts.errors import ConfigError
-from moco_retrieval.trainer.config import RESNETS, VITS
+from moco_retrieval.trainer.config import RESNETS, STEM_KERNEL, VITS
 
 
 class SplitBatchNorm2d(nn.BatchNorm2d):
@@ -82,8 +82,8 @@ def build_resnet(arch: str, stem: str = "imagenet", bn_splits: int = 1) -> tuple
         model.maxpool = nn.Identity()
     elif stem == "nopool":
         model.maxpool = nn.Identity()
-    elif stem != "imagenet":
-        raise ConfigError(f"unknown stem {stem!r}; use imagenet, nopool or small")
+    elif stem not in STEM_KERNEL:
+        raise ConfigError(f"unknown stem {stem!r}; use {', '.join(STEM_KERNEL)}")
     feature_dim = model.fc.in_features
     model.fc = nn.Identity()
     return model, feature_dim

@@ -25,7 +25,10 @@ from moco_retrieval.contracts.options import option
 RESNETS = ("resnet18", "resnet34", "resnet50")
 VITS = ("vit_tiny", "vit_small", "vit_base")
 ARCHS = RESNETS + VITS
-STEMS = ("auto", "imagenet", "nopool", "small")
+# The kernel of each ResNet stem's first convolution: all a weights file can tell of its stem (the max-pool
+# holds no weights, so an ImageNet-stem file fits ``nopool`` too).
+STEM_KERNEL = {"imagenet": 7, "nopool": 7, "small": 3}
+STEMS = ("auto", *STEM_KERNEL)
 AUTO_WORD_OPTIONS = ("stem", "arch")  # left unset as the word "auto" (every other option: None)
 RECIPES = ("auto", "paper")
 

@@ -37,7 +37,7 @@ from torch import nn
 
 from moco_retrieval.contracts.errors import ArtifactError, ConfigError
 from moco_retrieval.trainer.checkpoint import CHECKPOINT_FORMAT, CHECKPOINT_VERSION, LAST, safe_load, strip_wrappers
-from moco_retrieval.trainer.config import RESNETS, VITS
+from moco_retrieval.trainer.config import RESNETS, STEM_KERNEL, VITS
 
 LOG = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ class Pretrained:
     backbone: dict
     heads: dict = field(default_factory=dict)
     head_version: int | None = None
-    stem: str | None = None  # ResNets: imagenet or small (from conv1's kernel)
+    stem: str | None = None  # ResNets: imagenet or small from conv1's kernel; our runs' own (nopool too)
     patch_size: int | None = None  # ViTs: P of patch_embed.proj [D, 3, P, P]
     grid: int | None = None  # ViTs: G of pos_embed [1, 1 + G*G, D]
     image_size: int | None = None  # our own checkpoints: the size they were trained at
@@ -516,9 +516,9 @@ def configure(cfg, pre: Pretrained):
                 f"--image-size {cfg.image_size} is not a multiple of the --init file's patch size {pre.patch_size}"
             )
     else:
-        if pre.stem not in ("imagenet", "small"):
-            raise ArtifactError(f"--init {pre.name}: a {pre.stem} first convolution fits neither stem")
-        if cfg.stem not in ("auto", pre.stem) and (cfg.stem, pre.stem) != ("nopool", "imagenet"):
+        if pre.stem not in STEM_KERNEL:
+            raise ArtifactError(f"--init {pre.name}: a {pre.stem} first convolution fits no stem")
+        if cfg.stem != "auto" and STEM_KERNEL.get(cfg.stem) != STEM_KERNEL[pre.stem]:
             raise ConfigError(
                 f"--stem {cfg.stem} does not fit --init {pre.name}: expected {cfg.stem}, found the "
                 f"{pre.stem} stem (conv1.weight {list(pre.backbone['conv1.weight'].shape)})"
@@ -560,8 +560,8 @@ def backbone_from_source(
             raise ConfigError(f"--image-size {size} is not a multiple of the --init file's patch size {pre.patch_size}")
         backbone = build_vit(arch, size, pre.patch_size)[0]
     else:
-        if pre.stem not in ("imagenet", "small"):
-            raise ArtifactError(f"{pre.name}: a {pre.stem} first convolution fits neither stem")
+        if pre.stem not in STEM_KERNEL:
+            raise ArtifactError(f"{pre.name}: a {pre.stem} first convolution fits no stem")
         backbone = build_resnet(arch, pre.stem, 1)[0]
     notes = load_backbone_weights(pre, backbone, size)
     for note in notes:
