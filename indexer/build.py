@@ -172,18 +172,20 @@ INDEX_ENCODER_SPIN = False
 
 def _open_embedder(cfg: IndexConfig, image_root: Path, world: WorldInfo) -> FolderEmbedder:
     threads = max(1, available_cores() // world.local_world_size) if world.world_size > 1 else None
+
+    def open_on(device: str) -> OnnxEncoder:
+        return OnnxEncoder(cfg.model, device=device, threads=threads, spin=INDEX_ENCODER_SPIN)
+
     device = cfg.device
     if world.world_size > 1 and device in ("auto", "cuda"):  # one GPU per rank of a node
         try:
-            encoder = OnnxEncoder(
-                cfg.model, device=f"cuda:{world.local_rank}", threads=threads, spin=INDEX_ENCODER_SPIN
-            )
+            encoder = open_on(f"cuda:{world.local_rank}")
         except ConfigError:
             if device == "cuda":
                 raise
-            encoder = OnnxEncoder(cfg.model, device="cpu", threads=threads, spin=INDEX_ENCODER_SPIN)
+            encoder = open_on("cpu")
     else:
-        encoder = OnnxEncoder(cfg.model, device=device, threads=threads, spin=INDEX_ENCODER_SPIN)
+        encoder = open_on(device)
     workers = cfg.workers if cfg.workers is not None else default_workers(world)
     return FolderEmbedder(encoder, image_root, cfg.batch_size, workers)
 
