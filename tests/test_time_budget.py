@@ -1,5 +1,6 @@
-"""--time-budget: the plan from the measured speed, a tiny budget that stops on time with a checkpoint, and an
-interrupted budgeted run that a rerun continues to the same plan and the same deadline."""
+"""--time-budget: the plan from the measured speed, planned once more at half the budget, a tiny budget that stops
+on time with a checkpoint, and an interrupted budgeted run that a rerun continues to the same plan and the same
+deadline."""
 
 from __future__ import annotations
 
@@ -33,13 +34,13 @@ def test_parse_duration__units_and_errors():
 
 def test_time_budget__plans_the_steps_that_fit_after_its_calibration_window():
     budget = TimeBudget(seconds=600, started=time.perf_counter())
-    for i in range(40):  # 2 untimed steps, then 0.5 s per step measured
-        budget.record_step(i, 0.5)
+    for _ in range(40):  # 2 untimed steps, then 0.5 s per step measured
+        budget.record_step(0.5)
     # the window is min(60 s, 20% of the budget) = 60 s of timed steps: 38 x 0.5 = 19 s is not enough yet
     assert budget.seconds_per_step == pytest.approx(0.5) and not budget.calibration_due()
     budget = TimeBudget(seconds=600, started=time.perf_counter())
-    for i in range(130):
-        budget.record_step(i, 0.5)
+    for _ in range(130):
+        budget.record_step(0.5)
     assert budget.calibration_due()
     total = budget.estimate_total(step=130, reserve_seconds=100)
     assert total == pytest.approx(130 + (600 - 100) / 0.5, abs=3)
@@ -48,8 +49,29 @@ def test_time_budget__plans_the_steps_that_fit_after_its_calibration_window():
     assert TimeBudget(seconds=10, spent=10.5).should_stop(0)  # earlier runs spent it all
 
 
-def test_train__tiny_budget_stops_on_time_with_a_checkpoint(shapes_dir, tmp_path):
-    cfg = tiny_train_config(shapes_dir, tmp_path / "run", epochs=None, time_budget="6s", batch_size=8, queue_size=16)
+def test_time_budget__plans_again_once_at_half_the_budget():
+    budget = TimeBudget(seconds=100, started=time.perf_counter() - 40)  # 40 s of the budget spent
+    for _ in range(10):
+        budget.record_step(0.5)
+    assert not budget.replan_due()  # not planned yet: the first plan comes first
+    budget.total_steps = 200
+    assert not budget.replan_due()  # planned, 40% spent
+    budget.started -= 15  # 55% spent
+    assert budget.replan_due()
+    budget.replanned = True
+    assert not budget.replan_due()  # once
+    resumed = TimeBudget(seconds=100, spent=60, total_steps=200)  # a rerun past half, not yet re-planned
+    assert not resumed.replan_due()  # waits for steps of its own to time
+    for _ in range(2 + 5):
+        resumed.record_step(0.5)
+    assert resumed.replan_due()
+
+
+@pytest.mark.parametrize("batch, queue", [(8, 16), (48, 96)])  # 12 batches per epoch, and 2 (all at epoch starts)
+def test_train__tiny_budget_stops_on_time_with_a_checkpoint(shapes_dir, tmp_path, batch, queue):
+    cfg = tiny_train_config(
+        shapes_dir, tmp_path / "run", epochs=None, time_budget="6s", batch_size=batch, queue_size=queue
+    )
     result = train(cfg)
     ckpt = load_checkpoint(tmp_path / "run")
     assert result.stopped_by == "time budget" and ckpt["step"] == result.steps > 0
@@ -89,14 +111,9 @@ def test_train__interrupted_budget_run_continues_to_the_same_plan(shapes_dir, tm
     ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
-    while time.time() < deadline:  # interrupt once the plan is fixed (20% of 14 s of timed steps)
+    while time.time() < deadline:  # interrupt once the plan is final: planned, then planned again at 7 of 14 s
         config = run / "config.json"
-        if (
-            config.exists()
-            and '"time_budget": "14s"' in config.read_text()
-            and "epochs" in config.read_text()
-            and '"epochs": null' not in config.read_text()
-        ):
+        if config.exists() and '"time_budget": "14s"' in config.read_text() and "re-planned" in config.read_text():
             break
         time.sleep(0.05)
     proc.send_signal(signal.SIGINT)
@@ -104,11 +121,12 @@ def test_train__interrupted_budget_run_continues_to_the_same_plan(shapes_dir, tm
     assert proc.returncode == 130, err[-2000:]
     first = load_checkpoint(run)
     planned = first["schedule"]["total_steps"]
+    assert first["schedule"]["replanned"] and first["config"]["derived"]["epochs"]["why"].count("re-planned") == 1
     assert planned > 0 and first["step"] < planned and first["schedule"]["spent_seconds"] < 14
     rerun = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert rerun.returncode == 0, rerun.stderr[-2000:]
     final = load_checkpoint(run)
-    assert final["schedule"]["total_steps"] == planned  # the same plan, not a new one
+    assert final["schedule"]["total_steps"] == planned and final["schedule"]["replanned"]  # the same plan
     assert final["step"] > first["step"]
     assert final["step"] == planned or final["schedule"]["spent_seconds"] >= 14  # done, or out of time
 

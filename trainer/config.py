@@ -170,8 +170,9 @@ class TrainConfig:
     time_budget: str | None = option(
         None,
         "train for this long (90s, 30m, 2h) instead of --epochs: the first "
-        "minute's throughput sets the number of steps, the schedules span the "
-        "budget, and the run stops on time with a checkpoint",
+        "minute's throughput sets the number of steps (set again at half the "
+        "budget from the speed since), the schedules span the budget, and the "
+        "run stops on time with a checkpoint",
         "recipe and schedule",
         metavar="DURATION",
     )

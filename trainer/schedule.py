@@ -2,10 +2,13 @@
 
 :class:`Schedule`: linear learning-rate warm-up, then a half cosine to 0 at ``total_steps``; the key-encoder
 momentum as the variant defines it over the same progress. In ``--epochs`` mode the total is known up front;
-with ``--time-budget`` it is set by :class:`TimeBudget` from the throughput measured in the first minute.
+with ``--time-budget`` it is set by :class:`TimeBudget` from the throughput measured in the first minute, and set
+once more at half the budget from the throughput measured since (the first minute is often slower than the rest:
+caches warm, the allocator settles), so the run ends on its budget instead of minutes early.
 
 :class:`TimeBudget` keeps the clock of a budgeted run across interruptions: the seconds spent by earlier runs
-come back from the checkpoint, so a rerun continues to the same total steps and the same deadline.
+come back from the checkpoint with the plan (and whether it was already re-planned), so a rerun continues to the
+same total steps and the same deadline.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ LOG = logging.getLogger(__name__)
 CALIBRATION_SECONDS = 60.0  # steps are timed for this long (at most 20% of the budget) before the plan is fixed
 CALIBRATION_MIN_STEPS = 5
 SKIP_FIRST_STEPS = 2  # the first steps pay for kernel selection and allocation: not timed
+REPLAN_FRACTION = 0.5  # a budgeted run plans its length once more when this much of the budget is spent
 
 
 @dataclass
@@ -57,12 +61,15 @@ class TimeBudget:
         seconds: the whole budget.
         spent: seconds already spent by earlier runs of the same run directory.
         total_steps: the planned steps when an earlier run already fixed them (0: not yet).
+        replanned: whether the plan was already made again at :data:`REPLAN_FRACTION` of the budget.
     """
 
     seconds: float
     spent: float = 0.0
     total_steps: int = 0
+    replanned: bool = False
     started: float = field(default_factory=time.perf_counter)
+    _steps: int = 0  # steps this process has trained (a budget is made per process)
     _timed_steps: int = 0
     _timed_seconds: float = 0.0
 
@@ -77,9 +84,12 @@ class TimeBudget:
     def remaining(self) -> float:
         return self.seconds - self.elapsed()
 
-    def record_step(self, step_index_this_run: int, seconds: float) -> None:
-        """Time one optimizer step (the first few of a run are not counted)."""
-        if step_index_this_run >= SKIP_FIRST_STEPS:
+    def record_step(self, seconds: float) -> None:
+        """Time one optimizer step. The first :data:`SKIP_FIRST_STEPS` of this process are not counted; those at
+        an epoch's start are (an epoch's start recurs: it is part of the speed to plan with, and a collection of
+        two or three batches has no other steps: skipping the first two of each epoch never planned its run)."""
+        self._steps += 1
+        if self._steps > SKIP_FIRST_STEPS:
             self._timed_steps += 1
             self._timed_seconds += seconds
 
@@ -91,6 +101,16 @@ class TimeBudget:
         """True once enough steps were timed to plan the rest of the run."""
         window = min(CALIBRATION_SECONDS, 0.2 * self.seconds)
         return not self.calibrated and self._timed_steps >= CALIBRATION_MIN_STEPS and self._timed_seconds >= window
+
+    def replan_due(self) -> bool:
+        """True once, when :data:`REPLAN_FRACTION` of the budget is spent: plan the rest of the run again from the
+        speed timed since this process started (the first minute alone under-estimated it by 10-15%)."""
+        return (
+            self.calibrated
+            and not self.replanned
+            and self._timed_steps >= CALIBRATION_MIN_STEPS
+            and self.elapsed() >= REPLAN_FRACTION * self.seconds
+        )
 
     def estimate_total(self, step: int, reserve_seconds: float) -> int:
         """The total steps that fit in the budget at the measured speed, keeping ``reserve_seconds`` for

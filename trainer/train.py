@@ -50,9 +50,10 @@ from moco_retrieval.trainer.recipes import (
     resolve_before_training,
     resolve_model_and_size,
     resolve_schedule,
+    set_derived,
 )
 from moco_retrieval.trainer.run_dir import RunDirLock
-from moco_retrieval.trainer.schedule import Schedule, TimeBudget
+from moco_retrieval.trainer.schedule import REPLAN_FRACTION, Schedule, TimeBudget
 from moco_retrieval.trainer.variants import Variant, variant_for
 
 LOG = logging.getLogger(__name__)
@@ -317,7 +318,10 @@ def _plan(
         cfg = resolve_schedule(cfg, variant, (cfg.epochs or 200) * steps_per_epoch, steps_per_epoch)
         return cfg, _schedule(cfg, variant, cfg.epochs * steps_per_epoch, steps_per_epoch), None
     budget = TimeBudget(
-        cfg.budget_seconds, spent=saved.get("spent_seconds", 0.0), total_steps=saved.get("total_steps", 0)
+        cfg.budget_seconds,
+        spent=saved.get("spent_seconds", 0.0),
+        total_steps=saved.get("total_steps", 0),
+        replanned=saved.get("replanned", False),
     )
     total = budget.total_steps or _provisional_total(cfg, steps_per_epoch)
     if budget.calibrated:
@@ -500,18 +504,19 @@ def _plan_total(t: Trainee, p: Progress) -> int:
     """The steps of a budgeted run that fit at the measured speed, keeping time for the monitor's evaluations,
     the checkpoints and the final evaluation.
 
-    The evaluations reserved are those the plan will hold: about ``MONITOR_EVALUATIONS`` at epoch ends plus the
+    The evaluations reserved are those the plan still holds: about ``MONITOR_EVALUATIONS`` at epoch ends plus the
     final one, but only as many epochs as fit (a 60,000-image run of a few epochs evaluates a few times; keeping
-    time for 11 left 60% of a 4-minute budget unused)."""
+    time for 11 left 60% of a 4-minute budget unused), less those already done when the run is re-planned."""
     saves = p.budget.remaining() / CHECKPOINT_INTERVAL + 2
     if t.monitor is None:
         return p.budget.estimate_total(p.step, saves * p.save_seconds)
+    done = p.step // t.steps_per_epoch  # epochs complete
     evaluations = MONITOR_EVALUATIONS + 1
     for _ in range(4):  # fewer evaluations leave room for more steps, which may hold more epochs: settle it
         total = p.budget.estimate_total(p.step, evaluations * p.eval_seconds + saves * p.save_seconds)
         epochs = max(1, math.ceil(total / t.steps_per_epoch))
         every = p.cfg.knn_every or max(1, math.ceil(epochs / MONITOR_EVALUATIONS))
-        needed = min(MONITOR_EVALUATIONS, epochs // every) + 1  # at epoch ends, and the final one
+        needed = max(0, min(MONITOR_EVALUATIONS, epochs // every) - done // every) + 1  # epoch ends, the final one
         if needed == evaluations:
             break
         evaluations = needed
@@ -519,16 +524,23 @@ def _plan_total(t: Trainee, p: Progress) -> int:
 
 
 def _apply_plan(t: Trainee, p: Progress, total: int) -> None:
-    """Fix a budgeted run's length and everything that depends on it."""
+    """Fix a budgeted run's length and everything that depends on it: once after the first minute, and once more
+    at :data:`REPLAN_FRACTION` of the budget, where only the length (the cosine's end, the epochs) changes; the
+    warm-up, the key momentum and the monitor's interval stay as first planned."""
     budget = p.budget
-    budget.total_steps = total
+    replan, before = budget.calibrated, budget.total_steps
+    budget.total_steps, budget.replanned = total, budget.replanned or replan
     p.cfg = resolve_schedule(p.cfg, t.variant, total, t.steps_per_epoch)
+    if replan and "epochs" in p.cfg.derived:
+        why = p.cfg.derived["epochs"]["why"] + f" (re-planned at {100 * REPLAN_FRACTION:g}% of it, from {before})"
+        p.cfg = set_derived(p.cfg, "epochs", p.cfg.epochs, why)
     p.schedule = _schedule(p.cfg, t.variant, total, t.steps_per_epoch)
     if t.is_main:
         rate = p.cfg.batch_size / budget.seconds_per_step if budget.seconds_per_step else float("nan")
         LOG.info(
-            "time budget %s: measured %.0f images/s, so %d steps (%.1f epochs), %d of them warm-up; %.0f s left",
+            "time budget %s%s: measured %.0f images/s, so %d steps (%.1f epochs), %d of them warm-up; %.0f s left",
             p.cfg.time_budget,
+            f" re-planned at {100 * REPLAN_FRACTION:g}% (was {before} steps)" if replan else "",
             rate,
             total,
             total / t.steps_per_epoch,
@@ -541,7 +553,8 @@ def _apply_plan(t: Trainee, p: Progress, total: int) -> None:
 def _budget_control(t: Trainee, p: Progress) -> bool:
     """After a step of a budgeted run: plan the run once the calibration is due, and say whether to stop. Rank
     0's clock decides both for every rank (each rank must follow the same schedule and stop at the same step)."""
-    plan = _plan_total(t, p) if p.budget.calibration_due() and t.is_main else None
+    due = p.budget.calibration_due() or p.budget.replan_due()
+    plan = _plan_total(t, p) if due and t.is_main else None
     stop = p.budget.should_stop(p.step) if t.is_main else False
     plan, stop = dist.broadcast_object((plan, stop))
     if plan is not None:
@@ -570,7 +583,7 @@ def run_epoch(t: Trainee, p: Progress, epoch: int, end_step: int) -> dict:
         dynamic_ncols=True,
     )
     tic, seen, losses, stopped = time.perf_counter(), 0, [], None
-    steps_this_epoch, last = 0, tic
+    last = tic
     try:
         for pixels, sizes, _, _ in bar:
             t.generator.manual_seed(_step_seed(cfg.seed, p.step, rank))
@@ -582,10 +595,9 @@ def run_epoch(t: Trainee, p: Progress, epoch: int, end_step: int) -> dict:
             p.step += 1
             p.batch_in_epoch += 1
             seen += cfg.batch_size
-            steps_this_epoch += 1
             now = time.perf_counter()
             if p.budget is not None:  # the whole step: waiting for the batch, augmenting, training
-                p.budget.record_step(steps_this_epoch - 1, now - last)
+                p.budget.record_step(now - last)
             last = now
             images_per_s = seen / (time.perf_counter() - tic)
             bar.set_postfix(loss=f"{losses[-1]:.3f}", lr=f"{lr:.4f}", img_s=f"{images_per_s:.0f}")
@@ -635,7 +647,9 @@ def save(t: Trainee, p: Progress) -> None:
     tic = time.perf_counter()
     schedule = {"total_steps": p.schedule.total_steps, "warmup_steps": p.schedule.warmup_steps}
     if p.budget is not None:
-        schedule.update(total_steps=p.budget.total_steps, spent_seconds=p.budget.elapsed())
+        schedule.update(
+            total_steps=p.budget.total_steps, spent_seconds=p.budget.elapsed(), replanned=p.budget.replanned
+        )
     save_atomic(
         checkpoint_dict(
             p.cfg,
