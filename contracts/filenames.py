@@ -42,6 +42,8 @@ def display_name(path: str | None) -> str | None:
     """``path`` as one readable line: undecodable bytes as ``\\xNN``, control characters escaped (see above)."""
     if path is None:
         return None
+    if path.isascii() and path.isprintable():  # most names: no surrogate, nothing to escape (two C scans)
+        return path
     try:
         text = os.fsencode(path).decode("utf-8", "backslashreplace")
     except UnicodeEncodeError:  # a surrogate that no file system produced (e.g. from a labels CSV)

@@ -9,6 +9,7 @@ What a client sees of a record (the HTTP schema) is :mod:`serve.answers`'s, buil
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from operator import attrgetter
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,7 +30,7 @@ class ItemRecord:
     def to_dict(self) -> dict:
         """The JSON object the store holds, keys in the order it writes them (sorted): a record read as a dict
         is the dict it always was."""
-        return {name: getattr(self, name) for name in STORED_KEYS}
+        return dict(zip(STORED_KEYS, _STORED_VALUES(self)))
 
     @classmethod
     def from_dict(cls, raw: dict) -> "ItemRecord":
@@ -50,3 +51,4 @@ class ItemRecord:
 
 FIELDS = tuple(f.name for f in fields(ItemRecord))
 STORED_KEYS = tuple(sorted(FIELDS))
+_STORED_VALUES = attrgetter(*STORED_KEYS)  # record -> its values in STORED_KEYS order, in one C call

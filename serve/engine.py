@@ -375,14 +375,15 @@ class SearchEngine:
             D, I = deeper(fetched, depth)
         while True:
             keep = (I >= 0) if min_score is None else (I >= 0) & (D >= min_score)
-            ids = [int(i) for i in I[keep] if i != exclude]
+            ids = [i for i in I[keep].tolist() if i != exclude]
             records = gen.directory.records(ids)
-            score = {int(i): float(s) for s, i in zip(D, I)}
-            hits = [
-                dict(rec.to_dict(), score=score[rec.id])
-                for rec in records
-                if rec is not None and (flt is None or flt.accepts(rec))
-            ]
+            score = dict(zip(I.tolist(), D.tolist()))
+            hits = []
+            for rec in records:
+                if rec is not None and (flt is None or flt.accepts(rec)):
+                    hit = rec.to_dict()
+                    hit["score"] = score[rec.id]
+                    hits.append(hit)
             if len(hits) >= k or fetched >= gen.ntotal or (min_score is not None and not (flt and flt.sized)):
                 return hits[:k]
             if min_score is not None and len(I) and I[-1] >= 0 and D[-1] < min_score:

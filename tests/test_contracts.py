@@ -204,6 +204,23 @@ def test_read_image_bytes__never_blocks_on_a_fifo(tmp_path):
 
 
 # -- encoder metadata -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "name, shown",
+    [
+        ("cats/tabby 01.png", "cats/tabby 01.png"),  # printable ASCII: the fast path, returned as it is
+        ("bad\tname.png", "bad\\tname.png"),  # ASCII with a control character: escaped
+        ("caf\u00e9/\u732b.png", "caf\u00e9/\u732b.png"),  # valid UTF-8 beyond ASCII: as it is
+        (os.fsdecode(b"caf\xe9.png"), "caf\\xe9.png"),  # a byte that is not UTF-8 (a lone surrogate): \xNN
+        ("line\u2028sep", "line\\u2028sep"),  # a Unicode line separator: escaped
+        (None, None),
+    ],
+)
+def test_display_name__one_printable_line_fast_for_plain_ascii(name, shown):
+    from moco_retrieval.contracts.filenames import display_name
+
+    assert display_name(name) == shown
+
+
 def test_encoder_metadata__round_trips_and_validates():
     meta = {
         "format": ENCODER_FORMAT,
