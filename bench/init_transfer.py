@@ -5,9 +5,10 @@ a checkpoint pretrained on another collection then continued training, (c) that 
 2. Per target collection and seed, one real ``moco train`` process each, one after another (``--lock`` takes an
    exclusive ``flock`` around every measured step, as ``bench/learning_curves.py`` does):
    (a) ``moco train TARGET --time-budget B`` from random weights;
-   (b) ``moco train TARGET --init INITIAL --time-budget B`` (the ``--init`` recipe: lower lr, shorter warm-up,
-       higher key momentum);
-   (c) ``moco export INITIAL`` then ``moco eval knn`` on the target with that ONNX file (no training).
+   (b) ``moco train TARGET --init INITIAL --time-budget B`` (the ``--init`` recipe of ``auto``);
+   (c) ``moco export INITIAL`` then ``moco eval knn`` on the target with that ONNX file (no training);
+   and each ``--variant NAME="OPTIONS"``: (b) with those ``moco train`` options on top, e.g. the from-scratch
+   recipe's lr and key momentum, to measure what the ``--init`` recipe's values buy.
    The curves are the monitor's k-NN (leave-one-out on a labeled folder, or ``val/`` against ``train/``) by the
    budget clock's minutes; (c) and the random-init baseline are horizontal lines.
 3. JSON of every curve and summary to ``--out`` (default ``bench/results/init_transfer.json``) and a plot beside
@@ -20,6 +21,10 @@ first). On 2 CPU cores, e.g.:
     python bench/init_transfer.py --source openclipart=/work/datasets/openclipart_split \\
         --targets icons=/work/datasets/icons_split tuxpaint=/work/datasets/tuxpaint_split \\
         --pretrain-budget 12m --budget 4m --seeds 0 1 2 --lock /tmp/moco-cpu.lock
+
+and the same with ``--seeds 0 1 --variant 'scratch_lr=--lr 0.06 --momentum 0.99'`` for the --init recipe's worth
+(``bench/results/init_transfer_cpu.json`` and ``init_transfer_variants_cpu.json``, made with the recipe of
+the day: a tenth of the lr and key momentum 0.999 in (b)).
 
 On a GPU, the same at 224 px with ResNet-50: ``--arch resnet50 --image-size 224 --extra=--device=cuda``.
 ``--smoke`` runs the whole pipeline on generated images for a few seconds per run (a check that it works;
@@ -60,7 +65,15 @@ def _moco(args: list[str], log: Path, lock: str | None) -> tuple[int, float]:
 
 
 def train_run(
-    train: Path, knn: Path, out: Path, budget: str, seed: int, common: list[str], init: Path | None, lock: str | None
+    train: Path,
+    knn: Path,
+    out: Path,
+    budget: str,
+    seed: int,
+    common: list[str],
+    init: Path | None,
+    lock: str | None,
+    extra: list[str] = (),
 ) -> dict:
     """One budgeted ``moco train`` (from scratch, or from ``init``) and its k-NN curve."""
     args = [
@@ -78,6 +91,7 @@ def train_run(
     ]
     if init is not None:
         args += ["--init", str(init)]
+    args += list(extra)
     code, seconds = _moco(args, out.with_suffix(".log"), lock)
     config = json.loads((out / "config.json").read_text()) if (out / "config.json").exists() else {}
     result = {
@@ -153,11 +167,13 @@ def plot(report: dict, path: Path) -> None:
     names = list(report["targets"])
     fig, axes = plt.subplots(1, len(names), figsize=(max(8.0, 5.5 * len(names)), 4.6), squeeze=False)
     colours = {"a": "tab:blue", "b": "tab:orange", "c": "tab:green"}
+    spare = iter(["tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan"])
+    colours.update({v: next(spare, "black") for v in report.get("variants", {})})
     for ax, name in zip(axes[0], names):
         entry = report["targets"][name]
-        for arm in ("a", "b"):
+        for arm in entry["runs"]:
             summary = entry["summary"][arm]
-            label = ARMS[arm] + (
+            label = arm_name(arm, report) + (
                 ""
                 if summary["final_mean"] is None
                 else f": {100 * summary['final_mean']:.1f} ± {100 * summary['final_sd']:.1f} %"
@@ -203,6 +219,11 @@ def plot(report: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def arm_name(arm: str, report: dict) -> str:
+    """An arm's label: (a), (b), (c), or a variant's name with its options."""
+    return ARMS.get(arm) or f"--init, {arm}: {report['variants'][arm]}"
+
+
 def _smoke_data(root: Path) -> tuple[str, list[str]]:
     from moco_retrieval.trainer.demo_data import write_demo_dataset
 
@@ -222,6 +243,13 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--image-size", type=int, default=32)
     p.add_argument("--moco-version", type=int, default=2)
     p.add_argument("--extra", default="", help="more `moco train` options for every run, e.g. --extra=--device=cuda")
+    p.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar='NAME="OPTIONS"',
+        help="one more --init arm: (b) with these moco train options on top (repeatable)",
+    )
     p.add_argument("--lock", default=None, help="take this file's exclusive flock around each measured step")
     p.add_argument("--work", default=None, help="folder for run directories (default: a temporary one)")
     p.add_argument("--out", default=None, help="results JSON (default bench/results/init_transfer.json)")
@@ -232,6 +260,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.smoke:
         args.source, args.targets = _smoke_data(work / "data")
         args.pretrain_budget, args.budget, args.seeds = "20s", "15s", [0]
+        args.variant = args.variant or ["lr_x10=--lr 0.06"]
         args.out = args.out or str(work / "init_transfer_smoke.json")
     if not args.source or not args.targets:
         p.error("give --source and --targets (or --smoke)")
@@ -250,6 +279,9 @@ def main(argv: list[str] | None = None) -> dict:
         *shlex.split(args.extra),
     ]
 
+    variants = dict(v.split("=", 1) for v in args.variant)
+    if any(name in ARMS or not name.isidentifier() for name in variants):
+        p.error(f"a --variant needs a NAME=OPTIONS with a name other than {sorted(ARMS)}")
     source_name, source_train, source_knn = dataset_folders(args.source, work)
     print(f"pretraining on {source_name} for {args.pretrain_budget}", flush=True)
     pretrain = train_run(
@@ -268,6 +300,7 @@ def main(argv: list[str] | None = None) -> dict:
         "image_size": args.image_size,
         "moco_version": args.moco_version,
         "extra": args.extra,
+        "variants": variants,
         "smoke": args.smoke,
         "cpu_count": os.cpu_count(),
         "machine": platform.node(),
@@ -278,7 +311,7 @@ def main(argv: list[str] | None = None) -> dict:
     for spec in args.targets:
         name, train, knn = dataset_folders(spec, work)
         print(f"target {name}", flush=True)
-        runs = {"a": [], "b": []}
+        runs = {"a": [], "b": [], **{v: [] for v in variants}}
         for seed in args.seeds:
             runs["a"].append(
                 train_run(train, knn, work / f"{name}-a-s{seed}", args.budget, seed, common, None, args.lock)
@@ -286,6 +319,20 @@ def main(argv: list[str] | None = None) -> dict:
             runs["b"].append(
                 train_run(train, knn, work / f"{name}-b-s{seed}", args.budget, seed, common, initial, args.lock)
             )
+            for v, options in variants.items():
+                runs[v].append(
+                    train_run(
+                        train,
+                        knn,
+                        work / f"{name}-{v}-s{seed}",
+                        args.budget,
+                        seed,
+                        common,
+                        initial,
+                        args.lock,
+                        shlex.split(options),
+                    )
+                )
         summary = {arm: _final(runs[arm]) for arm in runs}
         a, b = summary["a"]["final_mean"], summary["b"]["final_mean"]
         report["targets"][name] = {
@@ -305,6 +352,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(
             f"  {name}: (a) {s['a']['final_mean']}, (b) {s['b']['final_mean']}, (c) {entry['as_is'].get('top1')}, "
             f"random {entry['random_init']}: (b) beats (a): {entry['b_beats_a']}"
+            + "".join(f", {v} {s[v]['final_mean']}" for v in variants)
         )
     return report
 

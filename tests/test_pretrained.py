@@ -394,18 +394,21 @@ def test_errors__crafted_pickle_is_refused_and_its_code_never_runs(tmp_path):
 
 
 # -- the recipe with --init -----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("moco_version", [2, 3])
-def test_recipe__init_lowers_lr_shortens_warmup_raises_momentum(moco_version, tmp_path):
-    scratch = resolve_for_images(
-        tiny_train_config(tmp_path, tmp_path, moco_version=moco_version, batch_size=32, queue_size=None, epochs=20),
-        1600,
-    )
-    init = resolve_for_images(
-        tiny_train_config(
-            tmp_path, tmp_path, moco_version=moco_version, batch_size=32, queue_size=None, epochs=20, init="weights.pth"
-        ),
-        1600,
-    )
+@pytest.mark.parametrize("moco_version, on_gpu", [(2, False), (2, True), (3, False)])
+def test_recipe__init_keeps_the_measured_cpu_v2_values_and_elsewhere_lowers_lr_raises_momentum(
+    moco_version, on_gpu, tmp_path
+):
+    def resolved(**extra):
+        cfg = tiny_train_config(
+            tmp_path, tmp_path, moco_version=moco_version, batch_size=32, queue_size=None, epochs=20, **extra
+        )
+        return resolve_for_images(cfg, 1600, on_gpu=on_gpu)
+
+    scratch, init = resolved(), resolved(init="weights.pth")
+    if moco_version == 2 and not on_gpu:  # measured: the from-scratch lr and key momentum did better
+        assert (init.lr, init.momentum, init.warmup_epochs) == (scratch.lr, scratch.momentum, scratch.warmup_epochs)
+        assert "init_transfer_variants_cpu.json" in init.derived["lr"]["why"]
+        return
     assert init.lr == pytest.approx(0.1 * scratch.lr, rel=1e-3)
     assert init.warmup_epochs <= scratch.warmup_epochs and (moco_version == 2 or init.warmup_epochs < 1)
     assert init.momentum > scratch.momentum
@@ -431,7 +434,7 @@ def test_train__starts_from_init_records_it_and_resumes_the_identical_command(so
     assert report["sha256"] == sha256_file(path) and report["layout"] == "state_dict"
     assert report["loaded"][0].startswith("backbone") and report["ignored"] == ["fc.* (2 tensors)"]
     assert report["fresh"] == ["projection head (the file has none)"]
-    assert NOT_MEASURED in saved["derived"]["lr"]["why"]
+    assert saved["derived"]["lr"]["why"].startswith("--init, MoCo v2 on a CPU")  # the --init rule was applied
     run(trainee, progress)
     again = train(cfg)  # the identical command: resumes (the run is complete), the file is not read again
     assert again.steps == progress.step and again.stopped_by == "epochs"
