@@ -311,27 +311,16 @@ def main(argv: list[str] | None = None) -> dict:
     for spec in args.targets:
         name, train, knn = dataset_folders(spec, work)
         print(f"target {name}", flush=True)
-        runs = {"a": [], "b": [], **{v: [] for v in variants}}
+        init_arms = {"b": "", **variants}  # (b) and each variant: --init, with their own options on top
+        runs = {"a": [], **{arm: [] for arm in init_arms}}
         for seed in args.seeds:
             runs["a"].append(
                 train_run(train, knn, work / f"{name}-a-s{seed}", args.budget, seed, common, None, args.lock)
             )
-            runs["b"].append(
-                train_run(train, knn, work / f"{name}-b-s{seed}", args.budget, seed, common, initial, args.lock)
-            )
-            for v, options in variants.items():
-                runs[v].append(
-                    train_run(
-                        train,
-                        knn,
-                        work / f"{name}-{v}-s{seed}",
-                        args.budget,
-                        seed,
-                        common,
-                        initial,
-                        args.lock,
-                        shlex.split(options),
-                    )
+            for arm, options in init_arms.items():
+                out_dir = work / f"{name}-{arm}-s{seed}"
+                runs[arm].append(
+                    train_run(train, knn, out_dir, args.budget, seed, common, initial, args.lock, shlex.split(options))
                 )
         summary = {arm: _final(runs[arm]) for arm in runs}
         a, b = summary["a"]["final_mean"], summary["b"]["final_mean"]

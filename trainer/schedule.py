@@ -3,8 +3,9 @@
 :class:`Schedule`: linear learning-rate warm-up, then a half cosine to 0 at ``total_steps``; the key-encoder
 momentum as the variant defines it over the same progress. In ``--epochs`` mode the total is known up front;
 with ``--time-budget`` it is set by :class:`TimeBudget` from the throughput measured in the first minute, and set
-once more at half the budget from the throughput measured since (the first minute is often slower than the rest:
-caches warm, the allocator settles), so the run ends on its budget instead of minutes early.
+once more at half the budget from the throughput measured since (the first minute's speed can be off either way:
+a 600 s run finished 14% early, a 12-minute one ran out of time 7% short of its plan), so the run ends on its
+budget with its schedule complete.
 
 :class:`TimeBudget` keeps the clock of a budgeted run across interruptions: the seconds spent by earlier runs
 come back from the checkpoint with the plan (and whether it was already re-planned), so a rerun continues to the
@@ -70,8 +71,7 @@ class TimeBudget:
     replanned: bool = False
     started: float = field(default_factory=time.perf_counter)
     _steps: int = 0  # steps this process has trained (a budget is made per process)
-    _timed_steps: int = 0
-    _timed_seconds: float = 0.0
+    _timed_seconds: float = 0.0  # of all but its first SKIP_FIRST_STEPS
 
     @property
     def calibrated(self) -> bool:
@@ -90,8 +90,11 @@ class TimeBudget:
         two or three batches has no other steps: skipping the first two of each epoch never planned its run)."""
         self._steps += 1
         if self._steps > SKIP_FIRST_STEPS:
-            self._timed_steps += 1
             self._timed_seconds += seconds
+
+    @property
+    def _timed_steps(self) -> int:
+        return max(0, self._steps - SKIP_FIRST_STEPS)
 
     @property
     def seconds_per_step(self) -> float | None:
@@ -104,7 +107,7 @@ class TimeBudget:
 
     def replan_due(self) -> bool:
         """True once, when :data:`REPLAN_FRACTION` of the budget is spent: plan the rest of the run again from the
-        speed timed since this process started (the first minute alone under-estimated it by 10-15%)."""
+        speed timed since this process started (the first minute's alone was off by 5-15%, either way)."""
         return (
             self.calibrated
             and not self.replanned
