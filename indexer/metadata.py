@@ -31,7 +31,10 @@ generation therefore sees exactly that generation, whatever later generations wr
 delta copies). Compaction (:func:`materialize`) folds a delta into a new base.
 
 The writer works in transactions on a store no reader has opened yet (a fresh base, or the new generation's
-delta copy); when the map is full it doubles the map size and replays the transaction. Readers open stores
+delta copy, both in a staging folder that a failed run discards); when the map is full it doubles the map size
+and replays the transaction. Its commits are not flushed to disk one by one: :meth:`MetadataStore.sync` flushes
+the store once, before the generation is published (a fsync per 10,000 records cost a fifth of a full build's
+metadata time). Readers open stores
 read-only without the lock file (``lock=False``): they never block a writer and any thread may read with its
 own transaction. LMDB allows one environment per file and process, so read-only opens of one file share one
 environment (keyed by device and inode: generations share their base by hard links).
@@ -170,8 +173,11 @@ def _optional_dbs(env: lmdb.Environment, create: bool) -> dict:
     return out
 
 
+_JSON = json.JSONEncoder(separators=(",", ":"), sort_keys=True)  # one encoder (json.dumps makes one a call)
+
+
 def _dump(obj) -> bytes:
-    return json.dumps(obj, separators=(",", ":"), sort_keys=True).encode()
+    return _JSON.encode(obj).encode()
 
 
 def _load(raw: bytes | memoryview | None):
@@ -225,7 +231,7 @@ def _release_readonly(key: tuple[int, int]) -> None:
 def _open_writable(path: Path) -> lmdb.Environment:
     path.mkdir(parents=True, exist_ok=True)
     size = max(INITIAL_MAP_SIZE, 2 * _file_size(path / DATA_FILE))
-    return lmdb.open(str(path), map_size=size, max_dbs=MAX_DBS, subdir=True, sync=True, metasync=True, readahead=False)
+    return lmdb.open(str(path), map_size=size, max_dbs=MAX_DBS, subdir=True, sync=False, metasync=False, readahead=False)
 
 
 def copy_store(src: Path, dst: Path) -> None:
@@ -276,6 +282,11 @@ class _View:
 
     def put(self, db: str, key: bytes, value: bytes) -> None:
         self.top.put(key, value, db=self.store._db[db])
+
+    def put_many(self, db: str, pairs: list[tuple[bytes, bytes]]) -> None:
+        """:meth:`put` of each ``(key, value)`` in order, in one call (LMDB's ``putmulti``)."""
+        if pairs:
+            self.top.cursor(db=self.store._db[db]).putmulti(pairs)
 
     def delete(self, db: str, key: bytes) -> None:
         if self.base is None or self.store._base_db[db] is None:  # (an optional database the base predates)
@@ -713,7 +724,7 @@ class MetadataStore:
             for i in same:
                 other = _load_item(view.get("items", id_key(i)))
                 other = replace(other, duplicate_of=None if i == same[0] else same[0])
-                view.put("items", id_key(i), _dump(other.to_dict()))
+                view.put("items", id_key(i), other.to_json())
         return rec, True
 
     def add_items(self, records: list[ItemRecord | dict]) -> list[ItemRecord]:
@@ -726,27 +737,45 @@ class MetadataStore:
         stored: list[ItemRecord] = []
         for start in range(0, len(records), WRITE_CHUNK):
             chunk = records[start : start + WRITE_CHUNK]
-            stored += self._write(lambda view: [self._add_one(view, r) for r in chunk])
+            stored += self._write(lambda view: self._add_chunk(view, chunk))
         return stored
 
-    def _add_one(self, view: _View, rec: ItemRecord | dict) -> ItemRecord:
-        if isinstance(rec, dict):
-            rec = ItemRecord.from_dict(rec)
-        key = id_key(rec.id)
-        if view.get("items", key) is not None or view.get("tombstones", key) is not None:
-            raise IndexBuildError(f"id {rec.id} is already used in {self.path}; rebuild with `moco index --rebuild`")
-        sha_key = rec.sha256.encode()
-        same = _load(view.get("sha256", sha_key)) or []
-        rec = replace(rec, duplicate_of=same[0] if same else None)
-        view.put("items", key, _dump(rec.to_dict()))
-        if rec.label is not None and self._db.get("labels") is not None:
-            view.put("labels", label_key(rec.label, rec.id), _dump(1))
-        view.put("paths", path_key(rec.path), _dump(rec.id))
-        view.put("sha256", sha_key, _dump(same + [rec.id]))
-        next_id = _load(view.get("info", b"next_id")) or 0
-        if rec.id >= next_id:
-            view.put("info", b"next_id", _dump(rec.id + 1))
-        return rec
+    def _add_chunk(self, view: _View, chunk: list[ItemRecord | dict]) -> list[ItemRecord]:
+        """One transaction's records: each id checked unused, its duplicates found (in the store and earlier in
+        the chunk), then every database written in one ``putmulti`` (a full build writes 10M records: a put and a
+        ``json.dumps`` per key per record cost more than LMDB itself)."""
+        stored: list[ItemRecord] = []
+        items, labels, paths = [], [], []
+        shas: dict[bytes, list[int]] = {}  # sha256 -> its ids, read once and written once per chunk
+        keys: set[bytes] = set()  # the ids of the chunk (not yet in the store)
+        for rec in chunk:
+            if isinstance(rec, dict):
+                rec = ItemRecord.from_dict(rec)
+            key = id_key(rec.id)
+            if key in keys or view.get("items", key) is not None or view.get("tombstones", key) is not None:
+                raise IndexBuildError(f"id {rec.id} is already used in {self.path}; rebuild with `moco index --rebuild`")
+            sha_key = rec.sha256.encode()
+            same = shas.get(sha_key)
+            if same is None:
+                same = shas[sha_key] = _load(view.get("sha256", sha_key)) or []
+            if rec.duplicate_of != (same[0] if same else None):
+                rec = replace(rec, duplicate_of=same[0] if same else None)
+            same.append(rec.id)
+            keys.add(key)
+            stored.append(rec)
+            items.append((key, rec.to_json()))
+            if rec.label is not None:
+                labels.append((label_key(rec.label, rec.id), b"1"))
+            paths.append((path_key(rec.path), b"%d" % rec.id))  # (_dump of an int)
+        view.put_many("items", items)
+        if self._db.get("labels") is not None:
+            view.put_many("labels", labels)
+        view.put_many("paths", paths)
+        view.put_many("sha256", [(k, _dump(ids)) for k, ids in shas.items()])
+        top = max((r.id for r in stored), default=-1)
+        if top >= (_load(view.get("info", b"next_id")) or 0):
+            view.put("info", b"next_id", _dump(top + 1))
+        return stored
 
     def set_next_id(self, next_id: int) -> None:
         self._write(lambda view: view.put("info", b"next_id", _dump(int(next_id))))

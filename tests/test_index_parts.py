@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from moco_retrieval.contracts.atomic import output_errors
-from moco_retrieval.contracts.errors import ArtifactError, ConfigError, DataError, OutputError
+from moco_retrieval.contracts.errors import ArtifactError, ConfigError, DataError, IndexBuildError, OutputError
 from moco_retrieval.indexer import metadata
 from moco_retrieval.indexer.factory import Factory
 from moco_retrieval.indexer.faiss_index import build_index, choose_factory, exact_knn, read_flags, recall_at_k
@@ -156,6 +156,19 @@ def test_metadata__duplicates_tombstones_and_promotion(tmp_path):
     ro.close()
     assert ro2.record(3)["path"] == "d.png"
     ro2.close()
+
+
+def test_metadata__add_items_in_chunks_finds_duplicates_and_used_ids_across_them(tmp_path, monkeypatch):
+    monkeypatch.setattr(metadata, "WRITE_CHUNK", 2)  # each transaction writes its chunk in one putmulti per db
+    with MetadataStore(tmp_path / "m", readonly=False) as store:
+        stored = store.add_items([_rec(i, f"{i}.png", "dup" if i in (0, 3, 4) else f"s{i}") for i in range(5)])
+        assert [r.duplicate_of for r in stored] == [None, None, None, 0, 0]  # across chunks and within one
+        assert store.ids_of_sha256("dup") == [0, 3, 4] and store.id_of_path("4.png") == 4 and store.next_id() == 5
+        for again in ([_rec(5, "5.png", "s5"), _rec(5, "6.png", "s6")], [_rec(2, "x.png", "sx")]):
+            with pytest.raises(IndexBuildError, match="id [25] is already used"):
+                store.add_items(again)  # twice in one chunk, or already in the store: nothing of the chunk written
+        assert store.count() == 5 and store.id_of_path("5.png") is None and store.record(2).path == "2.png"
+        assert store.label_ids("a").tolist() == [0, 1, 2, 3, 4]
 
 
 def test_metadata__a_read_only_store_keeps_decoded_records_up_to_its_cap(tmp_path, monkeypatch):
