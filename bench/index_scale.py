@@ -352,6 +352,11 @@ def main() -> None:
     p.add_argument("--queries", type=int, default=1000, help="serve: held-out query vectors for recall and QPS")
     p.add_argument("--seconds", type=float, default=10.0, help="serve: search time per worker count")
     p.add_argument("--http", action="store_true", help="serve: also `moco serve --workers N` over HTTP")
+    p.add_argument(
+        "--cold",
+        action="store_true",
+        help="serve: drop the index's files from the page cache first (measures the disk)",
+    )
     p.add_argument("--legacy", action="store_true", help="code from before issue 12 (see the docstring)")
     p.add_argument("--label", default="after", help="a tag stored with each row (e.g. before / after)")
     p.add_argument("--out", default=str(OUT / "index_scale.json"), help="JSON file the rows are appended to")

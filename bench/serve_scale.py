@@ -4,7 +4,10 @@ and 4 processes (JSON rows appended to the same file).
 For each worker count N:
 
 The index files and vector blocks are read once first (a warm page cache, as for a server that has been
-running; a cold one measures the disk).
+running). With ``--cold`` they are dropped from the page cache instead (``posix_fadvise(DONTNEED)`` on each
+file): a server just started, or an index larger than the page cache, measures the disk. Either way each
+process reports its per-query latency (p50 / p99) and what one query read from the disk (``read_bytes`` of
+``/proc/self/io``, major page faults): the I/O a query costs, and so the disk it needs.
 
 - **search**: N processes (spawned, like ``moco serve --workers N``) each open the live generation with
   :class:`indexer.index_dir.IndexDirectory` (memory-mapped, as the server does), search ``WARMUP`` queries
@@ -72,7 +75,17 @@ def _ground_truth(work: Path, index_dir: Path, xq: np.ndarray, k: int = 10) -> n
     return I
 
 
-def _search_worker(index_dir: str, xq: np.ndarray, seconds: float, start, done, results) -> None:
+def _io() -> tuple[int, int]:
+    """Bytes this process has caused to be read from the disk, and its major page faults."""
+    import resource
+
+    read = next(
+        int(line.split()[1]) for line in Path("/proc/self/io").read_text().splitlines() if line.startswith("read_bytes")
+    )
+    return read, resource.getrusage(resource.RUSAGE_SELF).ru_majflt
+
+
+def _search_worker(index_dir: str, xq: np.ndarray, seconds: float, cold: bool, start, done, results) -> None:
     import faiss
 
     from moco_retrieval.indexer.index_dir import IndexDirectory
@@ -80,47 +93,79 @@ def _search_worker(index_dir: str, xq: np.ndarray, seconds: float, start, done, 
     faiss.omp_set_num_threads(1)
     with IndexDirectory.open(index_dir) as d:
         loaded = smaps()
-        for q in xq[:WARMUP]:  # page the mapped index in (a cold page cache is a disk benchmark, not this one)
-            d.index.search(q[None], 10)
+        if not cold:
+            for q in xq[:WARMUP]:  # page the mapped index in (a cold page cache is a disk benchmark)
+                d.index.search(q[None], 10)
         start.wait()
-        found, n, tic = [], 0, time.perf_counter()
+        found, latency, n, io0, tic = [], [], 0, _io(), time.perf_counter()
         while time.perf_counter() - tic < seconds:
+            t = time.perf_counter()
             _, I = d.index.search(xq[n % len(xq)][None], 10)
+            latency.append(time.perf_counter() - t)
             found.append((n % len(xq), I[0]))
             n += 1
         elapsed = time.perf_counter() - tic
+        io1 = _io()
         done.wait()  # every process still has the index mapped: shared pages are counted as shared
         memory = smaps()
         done.wait()
         results.put(
-            {"queries": n, "seconds": elapsed, "memory_loaded": loaded, "memory": memory, "found": found[: len(xq)]}
+            {
+                "queries": n,
+                "seconds": elapsed,
+                "latency": latency,
+                "read_bytes": io1[0] - io0[0],
+                "major_faults": io1[1] - io0[1],
+                "memory_loaded": loaded,
+                "memory": memory,
+                "found": found[: len(xq)],
+            }
         )
 
 
 def warm_page_cache(index_dir: Path) -> float:
     """Read the live generation's FAISS files and vector blocks once, so that every worker count is measured
     with the index in the page cache (as a server that has been running is); returns the seconds it took."""
-    from moco_retrieval.indexer.index_dir import IndexDirectory
-    from moco_retrieval.indexer.layout import IndexLayout
-
     tic = time.perf_counter()
-    with IndexDirectory.open(index_dir) as d:
-        files = [p for p in d.generation_path.iterdir() if p.suffix in (".faiss", ".ivfdata", ".npy")]
-        files += [p for b in d.manifest.vector_blocks for p in IndexLayout(index_dir).vector_block(b)]
-    for path in files:
+    for path in _index_files(index_dir):
         with open(path, "rb") as f:
             while f.read(16 << 20):
                 pass
     return time.perf_counter() - tic
 
 
-def search_level(index_dir: Path, xq: np.ndarray, truth: np.ndarray, workers: int, seconds: float) -> dict:
+def _index_files(index_dir: Path) -> list[Path]:
+    """The live generation's FAISS files and vector blocks: what a search may read."""
+    from moco_retrieval.indexer.index_dir import IndexDirectory
+    from moco_retrieval.indexer.layout import IndexLayout
+
+    with IndexDirectory.open(index_dir) as d:
+        files = [p for p in d.generation_path.iterdir() if p.suffix in (".faiss", ".ivfdata", ".npy")]
+        return files + [p for b in d.manifest.vector_blocks for p in IndexLayout(index_dir).vector_block(b)]
+
+
+def drop_page_cache(index_dir: Path) -> int:
+    """Evict the live generation's files from the page cache (``POSIX_FADV_DONTNEED``); their bytes."""
+    total = 0
+    for path in _index_files(index_dir):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            total += os.fstat(fd).st_size
+        finally:
+            os.close(fd)
+    return total
+
+
+def search_level(
+    index_dir: Path, xq: np.ndarray, truth: np.ndarray, workers: int, seconds: float, cold: bool = False
+) -> dict:
     from moco_retrieval.indexer.faiss_index import recall_at_k
 
     ctx = multiprocessing.get_context("spawn")
     start, done, results = ctx.Event(), ctx.Barrier(workers), ctx.Queue()
     procs = [
-        ctx.Process(target=_search_worker, args=(str(index_dir), xq, seconds, start, done, results))
+        ctx.Process(target=_search_worker, args=(str(index_dir), xq, seconds, cold, start, done, results))
         for _ in range(workers)
     ]
     for p in procs:
@@ -133,10 +178,21 @@ def search_level(index_dir: Path, xq: np.ndarray, truth: np.ndarray, workers: in
     qps = sum(r["queries"] / r["seconds"] for r in rows)
     hits = [(i, I) for r in rows for i, I in r["found"]]
     recall = recall_at_k(np.stack([I for _, I in hits]), truth[[i for i, _ in hits]])
+    latency = np.concatenate([r["latency"] for r in rows])
+    queries = sum(r["queries"] for r in rows)
     return {
         "workers": workers,
+        "page_cache": "cold" if cold else "warm",
         "qps": round(qps, 1),
         "recall_at_10": round(recall, 4),
+        "latency_ms": {
+            "p50": round(1000 * float(np.percentile(latency, 50)), 2),
+            "p99": round(1000 * float(np.percentile(latency, 99)), 2),
+        },
+        "per_query": {
+            "disk_read_bytes": round(sum(r["read_bytes"] for r in rows) / queries),
+            "major_faults": round(sum(r["major_faults"] for r in rows) / queries, 2),
+        },
         "memory": [r["memory"] for r in rows],
         "memory_loaded": [r["memory_loaded"] for r in rows],
     }
@@ -250,9 +306,14 @@ def phase_serve(args, work: Path) -> None:
         "delta_count": manifest.delta_count,
         "removed_count": manifest.removed_count,
     }
-    print(f"page cache warmed in {warm_page_cache(index_dir):.1f} s", flush=True)
+    if not args.cold:
+        print(f"page cache warmed in {warm_page_cache(index_dir):.1f} s", flush=True)
     for workers in args.workers:
-        row = search_level(index_dir, xq, truth, workers, args.seconds)
+        if args.cold:
+            print(
+                f"dropped {drop_page_cache(index_dir) / 2**30:.1f} GiB of index files from the page cache", flush=True
+            )
+        row = search_level(index_dir, xq, truth, workers, args.seconds, cold=args.cold)
         record(args, "serve_search", {"index": info, **row})
     if args.http:
         for workers in args.workers:

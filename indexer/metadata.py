@@ -34,10 +34,11 @@ The writer works in transactions on a store no reader has opened yet (a fresh ba
 delta copy, both in a staging folder that a failed run discards); when the map is full it doubles the map size
 and replays the transaction. Its commits are not flushed to disk one by one: :meth:`MetadataStore.sync` flushes
 the store once, before the generation is published (a fsync per 10,000 records cost a fifth of a full build's
-metadata time). Readers open stores
-read-only without the lock file (``lock=False``): they never block a writer and any thread may read with its
-own transaction. LMDB allows one environment per file and process, so read-only opens of one file share one
-environment (keyed by device and inode: generations share their base by hard links).
+metadata time).
+
+Readers open stores read-only without the lock file (``lock=False``): they never block a writer and any thread
+may read with its own transaction. LMDB allows one environment per file and process, so read-only opens of one
+file share one environment (keyed by device and inode: generations share their base by hard links).
 
 LMDB maps a store and trusts it: a page read past the end of a truncated file is a SIGBUS that kills the
 process (``moco search`` printed only "Bus error"). So a store is checked before it is mapped
@@ -231,7 +232,9 @@ def _release_readonly(key: tuple[int, int]) -> None:
 def _open_writable(path: Path) -> lmdb.Environment:
     path.mkdir(parents=True, exist_ok=True)
     size = max(INITIAL_MAP_SIZE, 2 * _file_size(path / DATA_FILE))
-    return lmdb.open(str(path), map_size=size, max_dbs=MAX_DBS, subdir=True, sync=False, metasync=False, readahead=False)
+    return lmdb.open(
+        str(path), map_size=size, max_dbs=MAX_DBS, subdir=True, sync=False, metasync=False, readahead=False
+    )
 
 
 def copy_store(src: Path, dst: Path) -> None:
@@ -753,7 +756,9 @@ class MetadataStore:
                 rec = ItemRecord.from_dict(rec)
             key = id_key(rec.id)
             if key in keys or view.get("items", key) is not None or view.get("tombstones", key) is not None:
-                raise IndexBuildError(f"id {rec.id} is already used in {self.path}; rebuild with `moco index --rebuild`")
+                raise IndexBuildError(
+                    f"id {rec.id} is already used in {self.path}; rebuild with `moco index --rebuild`"
+                )
             sha_key = rec.sha256.encode()
             same = shas.get(sha_key)
             if same is None:

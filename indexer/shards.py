@@ -163,7 +163,7 @@ class WorkShards:
         )
         with atomic_write(Path(f"{stem}.vec.npy")) as f:
             np.save(f, vectors)
-        write_json_atomic(Path(f"{stem}.json"), self._pending_entries)
+        write_json_atomic(Path(f"{stem}.json"), self._pending_entries, indent=None)  # a program's file: compact
         write_text_atomic(Path(f"{stem}.done"), f"{len(self._pending_entries)}\n")  # the marker, last
         # keep the file's memory map, not the rows: 10M of them would stay in RAM (10 GB even as float16)
         self._vectors[key] = np.load(f"{stem}.vec.npy", mmap_mode="r") if len(vectors) else vectors

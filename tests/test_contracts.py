@@ -253,7 +253,10 @@ def test_encoder_metadata__round_trips_and_validates():
 # -- atomic writes --------------------------------------------------------------------------------------------
 def test_atomic_write__a_failure_keeps_the_old_file_and_leaves_no_temporary(tmp_path):
     target = tmp_path / "state.json"
-    write_json_atomic(target, {"v": 1})
+    write_json_atomic(target, {"v": 1, "a": [1]}, indent=None)  # compact, for programs
+    assert target.read_text() == '{"a":[1],"v":1}\n'
+    write_json_atomic(target, {"v": 1})  # indented, keys sorted, for people
+    assert target.read_text() == '{\n  "v": 1\n}\n'
     with pytest.raises(RuntimeError):
         with atomic_path(target) as tmp:
             tmp.write_text("half")
