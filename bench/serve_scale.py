@@ -11,7 +11,8 @@ process reports its per-query latency (p50 / p99) and what one query read from t
 
 - **search**: N processes (spawned, like ``moco serve --workers N``) each open the live generation with
   :class:`indexer.index_dir.IndexDirectory` (memory-mapped, as the server does), search ``WARMUP`` queries
-  untimed (paging the index in), then search held-out query vectors one at a time (k=10, one FAISS thread each: the server's micro-batch of one) for ``--seconds``;
+  untimed (paging the index in; not with ``--cold``), then search held-out query vectors one at a time (k=10,
+  one FAISS thread each: the server's micro-batch of one) for ``--seconds``;
   reported: total queries/s, recall@10 of those results against exact search over the live vectors, and each
   process's RSS, PSS and private memory (``/proc/<pid>/smaps_rollup``) after searching;
 - **http** (``--http``): ``moco serve --workers N --no-ui`` itself, uploads of 32 px images from 2N client

@@ -763,8 +763,9 @@ class MetadataStore:
             same = shas.get(sha_key)
             if same is None:
                 same = shas[sha_key] = _load(view.get("sha256", sha_key)) or []
-            if rec.duplicate_of != (same[0] if same else None):
-                rec = replace(rec, duplicate_of=same[0] if same else None)
+            original = same[0] if same else None
+            if rec.duplicate_of != original:
+                rec = replace(rec, duplicate_of=original)
             same.append(rec.id)
             keys.add(key)
             stored.append(rec)
