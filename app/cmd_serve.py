@@ -119,15 +119,18 @@ def _many(args) -> bool:
 
 def _answer_many(args, answer, row, columns) -> int:
     """Answer every query image into rows: decoded in worker processes, embedded in whole batches with the served
-    encoder, answered by ``answer(engine, vectors)`` (``search_vectors`` / ``classify_vectors``)."""
+    encoder (on the CPU two batches at once, each on half the cores unless ``--threads`` says otherwise),
+    answered by ``answer(engine, vectors)`` (``search_vectors`` / ``classify_vectors``)."""
     from contextlib import closing
 
     from moco_retrieval.app.query_files import answer_files, decode_workers, expand_queries, output_format, write_rows
+    from moco_retrieval.indexer.encoder_lanes import CPU_LANES, lane_threads
     from moco_retrieval.serve.engine import SearchEngine
 
     fmt = output_format(args.out, args.format)  # before the engine starts: a bad --out fails at once
     paths = expand_queries(args.image)
-    with SearchEngine(args.index_dir, _engine_config(args, poll_seconds=0)) as engine:  # no watcher: one encoder
+    config = _engine_config(args, poll_seconds=0, threads=args.threads or lane_threads(CPU_LANES))
+    with SearchEngine(args.index_dir, config) as engine:  # no watcher: one encoder
         batch = engine.config.max_batch
         answers = answer_files(
             engine.encoder,
@@ -136,6 +139,7 @@ def _answer_many(args, answer, row, columns) -> int:
             batch,
             decode_workers(len(paths), batch, engine.config.decode_slots),
             progress=args.progress and len(paths) > batch,
+            lanes=CPU_LANES if engine.encoder.provider == "CPUExecutionProvider" else 1,
         )
         with closing(answers):  # leaving early (an error, a closed pipe) stops the decoding processes
             n = write_rows((row(path, res) for path, res in answers), args.out, fmt, columns)

@@ -87,6 +87,7 @@ def answer_files(
     batch: int,
     workers: int,
     progress: bool = False,
+    lanes: int = 1,
 ) -> Iterator[tuple[str, object]]:
     """``(path, answer or DataError)`` of each path, in the order given.
 
@@ -97,44 +98,40 @@ def answer_files(
         batch: files per encoder call (failed ones included, so a batch embeds at most this many).
         workers: decoding processes (:func:`indexer.decode.decode_files`; 0: this process decodes).
         progress: a progress bar on stderr.
+        lanes: encoder calls at once (:func:`indexer.encoder_lanes.embed_in_order`).
 
     A file that does not decode comes back as a :class:`DataError` with the decoder's one-line reason (logged).
     Close the iterator when leaving early: that stops the decoding processes.
 
-    The encoder embeds the next batch on a thread of its own (ONNX Runtime releases the GIL) while this thread
+    The encoder embeds the next batches on threads of their own (ONNX Runtime releases the GIL) while this thread
     searches, votes and writes the rows of the batch before: the two took turns, and the cores idled a quarter
     of the run.
     """
-    from concurrent.futures import ThreadPoolExecutor
-
     from tqdm import tqdm
 
     from moco_retrieval.indexer.decode import decode_files
+    from moco_retrieval.indexer.encoder_lanes import embed_in_order
 
-    def answered(chunk: list, vectors) -> Iterator[tuple[str, object]]:
-        answers = iter(answer(vectors.result()) if vectors is not None else ())
-        for d in chunk:
-            if d.pixels is None:
-                LOG.warning("%s: %s", display_name(d.path), d.error)
-                yield d.path, DataError(d.error)
-            else:
-                yield d.path, next(answers)
-        bar.update(len(chunk))
+    def batches():  # (decoded files, the pixels of the readable ones or None)
+        while chunk := list(islice(stream, batch)):
+            good = [d.pixels for d in chunk if d.pixels is not None]
+            yield chunk, np.stack(good) if good else None
 
     stream = decode_files(Path(), paths, encoder.image_size, encoder.resize, workers)
     bar = tqdm(total=len(paths), unit="img", desc="queries", disable=not progress, dynamic_ncols=True, smoothing=0.1)
+    embedded = embed_in_order(encoder.embed, batches(), lanes)
     try:
-        with ThreadPoolExecutor(1, thread_name_prefix="embed") as embedding:
-            before = None  # (the previous batch, the future of its vectors)
-            while chunk := list(islice(stream, batch)):
-                good = [d.pixels for d in chunk if d.pixels is not None]
-                ahead = (chunk, embedding.submit(encoder.embed, np.stack(good)) if good else None)
-                if before is not None:
-                    yield from answered(*before)
-                before = ahead
-            if before is not None:
-                yield from answered(*before)
+        for chunk, vectors, _ in embedded:
+            answers = iter(answer(vectors) if vectors is not None else ())
+            for d in chunk:
+                if d.pixels is None:
+                    LOG.warning("%s: %s", display_name(d.path), d.error)
+                    yield d.path, DataError(d.error)
+                else:
+                    yield d.path, next(answers)
+            bar.update(len(chunk))
     finally:
+        embedded.close()  # waits for the encoder calls in flight
         stream.close()  # leaves the pool's context: its processes end
         bar.close()
 

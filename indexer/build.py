@@ -45,6 +45,7 @@ from moco_retrieval.indexer.commit import commit_compaction, commit_full, commit
 from moco_retrieval.indexer.config import IndexConfig
 from moco_retrieval.indexer.embed import Embedder, FolderEmbedder
 from moco_retrieval.indexer.encoder import OnnxEncoder, available_cores, read_encoder_metadata
+from moco_retrieval.indexer.encoder_lanes import CPU_LANES, lane_threads
 from moco_retrieval.indexer.index_dir import IndexDirectory
 from moco_retrieval.indexer.layout import (
     ENCODER_FILE,
@@ -171,7 +172,8 @@ INDEX_ENCODER_SPIN = False
 
 
 def _open_embedder(cfg: IndexConfig, image_root: Path, world: WorldInfo) -> FolderEmbedder:
-    threads = max(1, available_cores() // world.local_world_size) if world.world_size > 1 else None
+    # the rank's share of the cores, split between the CPU lanes (a GPU session runs one lane)
+    threads = lane_threads(CPU_LANES, available_cores() // max(1, world.local_world_size))
 
     def open_on(device: str) -> OnnxEncoder:
         return OnnxEncoder(cfg.model, device=device, threads=threads, spin=INDEX_ENCODER_SPIN)
@@ -187,7 +189,8 @@ def _open_embedder(cfg: IndexConfig, image_root: Path, world: WorldInfo) -> Fold
     else:
         encoder = open_on(device)
     workers = cfg.workers if cfg.workers is not None else default_workers(world)
-    return FolderEmbedder(encoder, image_root, cfg.batch_size, workers)
+    lanes = CPU_LANES if encoder.provider == "CPUExecutionProvider" else 1
+    return FolderEmbedder(encoder, image_root, cfg.batch_size, workers, lanes)
 
 
 def _plan(run: Run, labels, scanner, live: str | None) -> None:

@@ -312,6 +312,30 @@ class _Drawn:
             yield p
 
 
+def test_decode_files__a_decoding_process_that_dies_is_a_one_line_error_not_a_hang(tmp_path):
+    """A decoder killed mid-run (out of memory, a signal, a crash on a file) ends the stream with a DataError that
+    says to rerun; ``multiprocessing.Pool`` waited forever for the files it had lost."""
+    import multiprocessing
+    import signal
+
+    from PIL import Image
+
+    from moco_retrieval.contracts.encoder_format import RESIZE_POLICY
+    from moco_retrieval.indexer.decode import decode_files
+
+    Image.new("RGB", (16, 16), (200, 0, 0)).save(tmp_path / "a.png")
+    paths = ["a.png"] * 400
+    stream = decode_files(tmp_path, paths, 16, RESIZE_POLICY, workers=1, chunksize=1, window=4)
+    assert next(stream).error is None
+    decoders = multiprocessing.active_children()
+    assert decoders
+    for process in decoders:
+        os.kill(process.pid, signal.SIGKILL)
+    with pytest.raises(DataError, match="a decoding process died.*run the same command again"):
+        for _ in stream:
+            pass
+
+
 def test_decode_files__windows_keep_order_and_bound_the_files_decoded_ahead(tmp_path):
     """DECODE_WINDOW, crossed with a window of 3: results in input order, a bad file in its place, the same as
     decoding in this process, and never more than two windows handed to the pool ahead of the reader."""
