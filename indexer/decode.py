@@ -15,7 +15,10 @@ import hashlib
 import itertools
 import logging
 import multiprocessing
+import os
+import signal
 import sys
+import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -74,6 +77,25 @@ def _context():
     return multiprocessing.get_context("spawn")
 
 
+def _start_decoder() -> None:
+    """A decode process's initializer.
+
+    - Ctrl-C is left to the process that started the pool, which stops it (each decoder printed a traceback).
+    - The decoder ends when that process dies: after a ``kill -9`` of ``moco index`` its ``concurrent.futures``
+      workers (which hold both ends of their task queue, so never see it close) and their fork server ran on.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        parent.join()
+        os._exit(1)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
 DECODE_WINDOW = 1024  # files per window handed to the pool; at most two windows are decoded ahead of the reader
 
 
@@ -108,7 +130,7 @@ def decode_files(
         yield from map(decode_file, tasks)
         return
     windows = iter(lambda: list(itertools.islice(tasks, max(window, chunksize))), [])
-    pool = ProcessPoolExecutor(workers, mp_context=_context())
+    pool = ProcessPoolExecutor(workers, mp_context=_context(), initializer=_start_decoder)
     try:
         ahead = collections.deque(pool.map(decode_file, w, chunksize=chunksize) for w in itertools.islice(windows, 2))
         while ahead:

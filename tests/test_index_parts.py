@@ -336,6 +336,47 @@ def test_decode_files__a_decoding_process_that_dies_is_a_one_line_error_not_a_ha
             pass
 
 
+def test_decode_files__decoders_end_when_the_process_that_started_them_is_killed(tmp_path):
+    """``kill -9`` of a run leaves no decode process (nor its fork server) behind."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from PIL import Image
+
+    Image.new("RGB", (16, 16), (200, 0, 0)).save(tmp_path / "a.png")
+    script = (
+        "import multiprocessing, sys, time\n"
+        "from pathlib import Path\n"
+        "from moco_retrieval.indexer.decode import decode_files\n"
+        "if __name__ == '__main__':\n"
+        "    stream = decode_files(Path(sys.argv[1]), ['a.png'] * 400, 16, 'shorter_side_center_crop', 1, 1, 4)\n"
+        "    next(stream)\n"
+        "    print(' '.join(str(p.pid) for p in multiprocessing.active_children()), flush=True)\n"
+        "    time.sleep(60)\n"
+    )
+    (tmp_path / "run.py").write_text(script)
+    run = subprocess.Popen([sys.executable, str(tmp_path / "run.py"), str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    decoders = [int(pid) for pid in run.stdout.readline().split()]
+    assert decoders
+    run.send_signal(signal.SIGKILL)
+    run.wait()
+
+    def alive(pid: int) -> bool:
+        try:
+            os.kill(pid, 0)
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().split(") ")[1][0] != "Z"  # a zombie waits for init to reap it: ended
+        except (ProcessLookupError, FileNotFoundError):
+            return False
+
+    deadline = time.monotonic() + 10
+    while any(alive(pid) for pid in decoders) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(alive(pid) for pid in decoders)
+
+
 def test_decode_files__windows_keep_order_and_bound_the_files_decoded_ahead(tmp_path):
     """DECODE_WINDOW, crossed with a window of 3: results in input order, a bad file in its place, the same as
     decoding in this process, and never more than two windows handed to the pool ahead of the reader."""
