@@ -105,16 +105,19 @@ def phase_filters(args) -> None:
         live = np.ones(args.n, dtype=bool)
         live[removed] = False
         rng = np.random.default_rng(0)
-        for keep in KEEP:
+        for keep in args.keep:
             bits = rng.random(args.n) < keep  # ids of a label: spread over the corpus, as labels are
             filt = IdFilter.of_bits(bits)
             allowed = np.flatnonzero(bits & live)
             ref = np.argsort(-(xq @ xb[allowed].T), axis=1)[:, :K]
             truth = allowed[ref]
-            for raise_depth in (True, False):
+            # True: the rule as built; False: the plain selector at the unfiltered depth (what a naive filter
+            # gets); an int: the selector at that fixed depth factor (to choose the rule from)
+            for raise_depth in (True, False, *args.depth_factors):
                 saved = (searcher.EXACT_FILTER_MAX, searcher.depth_factor)
-                if not raise_depth:  # the plain selector at the unfiltered depth: what a naive filter gets
-                    searcher.EXACT_FILTER_MAX, searcher.depth_factor = -1, lambda kept, total: 1
+                if raise_depth is not True:
+                    fixed = 1 if raise_depth is False else raise_depth
+                    searcher.EXACT_FILTER_MAX, searcher.depth_factor = -1, lambda kept, total, f=fixed: f
                 try:
                     index.search(xq[:5], K, filt)  # warm up
                     tic = time.perf_counter()
@@ -124,11 +127,11 @@ def phase_filters(args) -> None:
                     searcher.EXACT_FILTER_MAX, searcher.depth_factor = saved
                 want = max(1, min(K, len(allowed)))  # a filter keeping fewer than K items has fewer to find
                 recall = float(np.mean([len(set(f.tolist()) & set(t.tolist())) / want for f, t in zip(found, truth)]))
-                path = (
-                    "exact"
-                    if raise_depth and filt.count() <= searcher.EXACT_FILTER_MAX
-                    else f"selector x{searcher.depth_factor(filt.count(), index.ntotal) if raise_depth else 1}"
-                )
+                if raise_depth is True:
+                    exact = filt.count() <= searcher.EXACT_FILTER_MAX
+                    path = "exact" if exact else f"selector x{searcher.depth_factor(filt.count(), index.ntotal)}"
+                else:
+                    path = f"selector x{1 if raise_depth is False else raise_depth}"
                 row = {
                     "factory": factory,
                     "n": args.n,
@@ -279,6 +282,14 @@ def main() -> None:
         nargs="+",
         default=["IVF1024,Flat", "IDMap2,HNSW32"],
         help="filters: index types (FAISS factory strings)",
+    )
+    p.add_argument("--keep", nargs="+", type=float, default=list(KEEP), help="filters: fractions of the ids kept")
+    p.add_argument(
+        "--depth-factors",
+        nargs="*",
+        type=int,
+        default=[],
+        help="filters: also search with the selector at these fixed depth factors (nprobe / efSearch times F)",
     )
     p.add_argument("--dup-factory", default="IVF1024,Flat", help="duplicates: index type")
     p.add_argument("--threshold", type=float, default=0.95, help="duplicates: similarity threshold")
