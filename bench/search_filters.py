@@ -114,21 +114,22 @@ def phase_filters(args) -> None:
             # True: the rule as built; False: the plain selector at the unfiltered depth (what a naive filter
             # gets); an int: the selector at that fixed depth factor (to choose the rule from)
             for raise_depth in (True, False, *args.depth_factors):
-                saved = (searcher.EXACT_FILTER_MAX, searcher.depth_factor)
+                saved = (searcher.answered_exactly, searcher.depth_factor)
                 if raise_depth is not True:
                     fixed = 1 if raise_depth is False else raise_depth
-                    searcher.EXACT_FILTER_MAX, searcher.depth_factor = -1, lambda kept, total, f=fixed: f
+                    searcher.answered_exactly = lambda kept, total: False
+                    searcher.depth_factor = lambda kept, total, f=fixed: f
                 try:
                     index.search(xq[:5], K, filt)  # warm up
                     tic = time.perf_counter()
                     found = [index.search(q[None], K, filt)[1][0] for q in xq]
                     seconds = time.perf_counter() - tic
                 finally:
-                    searcher.EXACT_FILTER_MAX, searcher.depth_factor = saved
+                    searcher.answered_exactly, searcher.depth_factor = saved
                 want = max(1, min(K, len(allowed)))  # a filter keeping fewer than K items has fewer to find
                 recall = float(np.mean([len(set(f.tolist()) & set(t.tolist())) / want for f, t in zip(found, truth)]))
                 if raise_depth is True:
-                    exact = filt.count() <= searcher.EXACT_FILTER_MAX
+                    exact = searcher.answered_exactly(filt.count(), index.ntotal)
                     path = "exact" if exact else f"selector x{searcher.depth_factor(filt.count(), index.ntotal)}"
                 else:
                     path = f"selector x{1 if raise_depth is False else raise_depth}"

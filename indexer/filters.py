@@ -7,9 +7,17 @@ inside the search of the base and of the delta (``IDSelectorBitmap``), for flat,
 
 A restrictive filter starves an approximate search: IVF probes ``nprobe`` lists that hold few allowed items,
 HNSW's beam meets few of them. So :func:`filtered_params` raises ``nprobe`` / ``efSearch`` by the inverse of the
-fraction kept, and a filter that keeps at most :data:`EXACT_FILTER_MAX` items is answered exactly from the
-stored vectors of those items instead (:meth:`indexer.searcher.LayeredIndex.search`), which costs what the
-filter keeps, not the corpus.
+fraction kept over :data:`DEPTH_SLACK` (:func:`depth_factor`), and a filter that keeps at most
+:data:`EXACT_FILTER_MAX` items, or too small a share for a raise of at most :data:`SELECTOR_MAX_FACTOR`, is
+answered exactly from the stored vectors of those items instead (:func:`answered_exactly`,
+:meth:`indexer.searcher.LayeredIndex.search`), which costs what the filter keeps, not the corpus.
+
+The slack is measured, not assumed (1M x 512, ``bench/results/search_filters_1000000_depth_sweep.json``): the
+depth tuned for recall@10 already reaches well past the first ten, so a filter keeping 5% needed no raise at all
+(IVF4096 0.978, HNSW32 0.987 at x1) and the full inverse (x20) cost HNSW 8x its queries/s for 0.7 points; the
+most any measured case needed was a sixth of the inverse (HNSW at 1%: 0.90 at x8, 0.967 at x16 of 100).
+Dividing the inverse by 4 keeps a margin under that and every filter measured on the selector path at
+recall@10 >= 0.95 (``search_filters_1000000_depth_rule.json``: 1% x25, HNSW 0.98, IVF 0.99).
 
 A threshold search (``min_score``) starves it the same way: nprobe / efSearch are tuned to find the first
 :data:`RECALL_K` neighbours, and the first hundred above a threshold lie in more lists than the first ten
@@ -25,7 +33,9 @@ import math
 import faiss
 import numpy as np
 
-EXACT_FILTER_MAX = 20_000  # filters keeping at most this many items are scored exactly (20k x 512 x 2 FLOP: 20 MFLOP)
+EXACT_FILTER_MAX = 5_000  # filters keeping at most this many items are scored exactly (gathered per query: 5k x 512)
+DEPTH_SLACK = 4  # the tuned depth finds the allowed first ten at this fraction of the inverse of the share kept
+SELECTOR_MAX_FACTOR = 32  # a filter that would need a deeper raise is scored exactly, whatever it keeps
 MAX_DEPTH_FACTOR = 64  # nprobe / efSearch are raised at most this much (beyond it the exact path is cheaper)
 RECALL_K = 10  # the k whose recall approximate indexes are tuned for (recall@10, indexer.faiss_index._tune)
 
@@ -73,10 +83,20 @@ class IdFilter:
 
 
 def depth_factor(kept: int, total: int) -> int:
-    """How much deeper a search filtered to ``kept`` of ``total`` items goes (1 when it keeps them all)."""
+    """How much deeper a search filtered to ``kept`` of ``total`` items goes: ``total / kept / DEPTH_SLACK``
+    rounded up, at least 1, at most ``MAX_DEPTH_FACTOR`` (50% -> 1, 5% -> 5, 1% -> 25, 0.1% -> 64)."""
     if total <= 0 or kept >= total:
         return 1
-    return int(min(MAX_DEPTH_FACTOR, math.ceil(total / max(1, kept))))
+    return int(min(MAX_DEPTH_FACTOR, max(1, math.ceil(total / (max(1, kept) * DEPTH_SLACK)))))
+
+
+def answered_exactly(kept: int, total: int) -> bool:
+    """True when a filter keeping ``kept`` of ``total`` items is scored exactly over the kept items' stored
+    vectors instead of searched with the selector: few enough to gather per query (``EXACT_FILTER_MAX``), or a
+    share so small (under 1 / (``DEPTH_SLACK`` x ``SELECTOR_MAX_FACTOR``), 0.78%) that the selector would need
+    more than ``SELECTOR_MAX_FACTOR`` times the tuned depth: at 0.5% of 1M, HNSW32 at x50 found 0.947 of the
+    ten at 25 queries/s, the exact path all of them at 142."""
+    return kept <= EXACT_FILTER_MAX or kept * DEPTH_SLACK * SELECTOR_MAX_FACTOR < total
 
 
 def threshold_factor(reached: int) -> int:
@@ -91,13 +111,14 @@ def combined_factor(*factors: int) -> int:
     return int(min(MAX_DEPTH_FACTOR, math.prod(max(1, int(f)) for f in factors)))
 
 
-def filtered_params(params: dict, factor: int, nlist: int | None = None) -> dict:
-    """``params`` (``{"nprobe": n}`` / ``{"efSearch": n}``) ``factor`` times deeper (nprobe at most ``nlist``)."""
+def filtered_params(params: dict, factor: int, nlist: int | None = None, min_ef: int = 0) -> dict:
+    """``params`` (``{"nprobe": n}`` / ``{"efSearch": n}``) ``factor`` times deeper (nprobe at most ``nlist``), and
+    efSearch at least ``min_ef``: a filtered HNSW beam must hold ``k / share kept`` items to meet ``k`` allowed
+    ones, which the factor alone misses where the tuned efSearch is small (16 on a 400-item index: 8 of the 10
+    allowed neighbours of a 4% filter came back at x6)."""
     out = dict(params)
-    if factor <= 1:
-        return out
-    if "nprobe" in out:
+    if "nprobe" in out and factor > 1:
         out["nprobe"] = int(min(nlist or out["nprobe"] * factor, out["nprobe"] * factor))
     if "efSearch" in out:
-        out["efSearch"] = int(out["efSearch"] * factor)
+        out["efSearch"] = int(max(out["efSearch"] * max(1, factor), min_ef))
     return out

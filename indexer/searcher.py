@@ -18,12 +18,13 @@ vectors (:class:`indexer.vectors.BlockVectors`, float16 blocks on disk, memory-m
 from __future__ import annotations
 
 import logging
+import math
 from typing import Callable
 
 import faiss
 import numpy as np
 
-from moco_retrieval.indexer.filters import EXACT_FILTER_MAX, combined_factor, depth_factor, filtered_params
+from moco_retrieval.indexer.filters import answered_exactly, combined_factor, depth_factor, filtered_params
 
 LOG = logging.getLogger(__name__)
 
@@ -174,9 +175,11 @@ class LayeredIndex:
         return self._drop_removed(D, I, k)
 
     def _filtered_part(self, part: faiss.Index, xq: np.ndarray, k: int, filt, factor: int, is_base: bool):
-        """One layer searched with the filter's selector (and the removed ids' for the base), ``factor`` deeper."""
+        """One layer searched with the filter's selector (and the removed ids' for the base), ``factor`` deeper
+        (an HNSW beam at least ``k`` over the share the filter keeps, at most the layer's size)."""
         ivf = faiss.try_extract_index_ivf(part)
-        params = filtered_params(self.params, factor, ivf.nlist if ivf is not None else None)
+        beam = min(int(part.ntotal), math.ceil(k * self.ntotal / max(1, filt.count())))
+        params = filtered_params(self.params, factor, ivf.nlist if ivf is not None else None, min_ef=beam)
         sel = filt.selector
         if is_base and self._selector is not None:
             sel = faiss.IDSelectorAnd(self._selector, filt.selector)
@@ -193,9 +196,11 @@ class LayeredIndex:
     def _exact_filtered(self, xq: np.ndarray, k: int, filt) -> tuple[np.ndarray, np.ndarray] | None:
         """The exact best ``k`` among the filter's ids, scored against their stored vectors; ``None`` when they
         cannot be read (no blocks, no reconstruct)."""
-        ids = filt.ids()
-        if len(self.removed):
-            ids = ids[~np.isin(ids, self.removed)]
+        bits = filt.bits
+        if len(self.removed):  # (a mask, not np.isin: hashing the removed ids per query was a third of the path)
+            bits = bits.copy()
+            bits[self.removed[self.removed < len(bits)]] = False
+        ids = np.flatnonzero(bits).astype(np.int64)
         if not len(ids):
             return (np.full((len(xq), k), -np.inf, dtype=np.float32), np.full((len(xq), k), -1, dtype=np.int64))
         vectors = self.vectors
@@ -216,9 +221,9 @@ class LayeredIndex:
     def search(self, xq: np.ndarray, k: int, filt=None, depth: int = 1) -> tuple[np.ndarray, np.ndarray]:
         """``xq`` float32 ``[n, d]`` -> ``(D, I)`` float32 / int64 ``[n, k]``, best first (-1 pads).
 
-        ``filt``: an :class:`indexer.filters.IdFilter`; only its ids come back. At most ``EXACT_FILTER_MAX``
-        of them are scored exactly; more are searched with the selector, the index's depth raised by the inverse
-        of the fraction kept (see :mod:`indexer.filters`).
+        ``filt``: an :class:`indexer.filters.IdFilter`; only its ids come back. Few of them, or a small share,
+        are scored exactly; more are searched with the selector, the index's depth raised by the inverse of the
+        fraction kept over a measured slack (``indexer.filters.answered_exactly``, ``depth_factor``).
         ``depth``: nprobe / efSearch this many times the tuned value (nprobe at most nlist; with a filter, the two
         factors multiplied, at most ``MAX_DEPTH_FACTOR``); no effect on exact parts and on types that take no
         search parameters.
@@ -316,7 +321,7 @@ class LayeredIndex:
 
     def _search_filtered(self, xq: np.ndarray, k: int, filt, depth: int = 1) -> tuple[np.ndarray, np.ndarray]:
         kept = filt.count()
-        if kept <= EXACT_FILTER_MAX:
+        if answered_exactly(kept, self.ntotal):
             exact = self._exact_filtered(xq, k, filt)
             if exact is not None:
                 return exact

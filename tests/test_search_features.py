@@ -321,11 +321,11 @@ def _exact_filtered(layered, q, keep, k):
 
 @pytest.mark.parametrize("exact_max", [None, 0])  # scored exactly (few kept), or the selector with raised depth
 def test_filters__return_only_allowed_items_and_match_exact_filtered_search(layered, exact_max, monkeypatch):
-    from moco_retrieval.indexer import searcher
+    from moco_retrieval.indexer import filters
     from moco_retrieval.serve.engine import SearchFilter
 
     if exact_max is not None:
-        monkeypatch.setattr(searcher, "EXACT_FILTER_MAX", exact_max)
+        monkeypatch.setattr(filters, "EXACT_FILTER_MAX", exact_max)
     engine = layered.engine
     records = {r["id"]: r for r in engine._current.directory.records(layered.ids.tolist())}
     excluded = tuple(int(i) for i in layered.ids[::7])
@@ -349,6 +349,30 @@ def test_filters__return_only_allowed_items_and_match_exact_filtered_search(laye
                 assert len(set(got) & set(want)) >= len(want) - (1 if layered.kind == "ivfpq" else 0), flt
             found, wanted = found + len(set(got) & set(want)), wanted + len(want)
     assert found >= 0.9 * wanted, (layered.kind, found, wanted)  # the index's recall target, filtered
+
+
+def test_depth_factor__the_inverse_of_the_share_kept_over_the_measured_slack():
+    from moco_retrieval.indexer.filters import (
+        DEPTH_SLACK,
+        EXACT_FILTER_MAX,
+        MAX_DEPTH_FACTOR,
+        answered_exactly,
+        depth_factor,
+        filtered_params,
+    )
+
+    n = 1_000_000
+    # 50% needs no raise, 5% x5 (the full inverse, x20, cost HNSW 8x its queries/s for 0.7 points), 1% x25
+    assert [depth_factor(int(n * f), n) for f in (1, 0.5, 0.05, 0.01)] == [1, 1, 5, 25]
+    assert depth_factor(int(n * 0.01), n) == 100 // DEPTH_SLACK
+    assert depth_factor(1, n) == depth_factor(0, n) == MAX_DEPTH_FACTOR  # capped; the exact path answers these
+    # exact: at most EXACT_FILTER_MAX kept, or under 1/128 of the items (a raise past x32); the selector between
+    assert answered_exactly(EXACT_FILTER_MAX, n) and not answered_exactly(EXACT_FILTER_MAX + 1, 10**5)
+    assert answered_exactly(7_812, n) and not answered_exactly(7_813, n)
+    assert depth_factor(7_813, n) == 32
+    assert filtered_params({"nprobe": 4}, 25, nlist=64) == {"nprobe": 64}
+    assert filtered_params({"efSearch": 128}, 5) == {"efSearch": 640}
+    assert filtered_params({"efSearch": 16}, 6, min_ef=227) == {"efSearch": 227}  # the beam holds k / share kept
 
 
 def test_filters__neighbors_of_an_item_size_range_and_unknown_labels(layered):
