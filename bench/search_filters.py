@@ -10,6 +10,9 @@ Phases (each writes one JSON file under ``bench/results/``; run each alone, with
   type and filter: queries/s one query at a time (one FAISS thread: the server's micro-batch of one), recall@10
   against exact filtered search over the allowed live vectors, and the path taken (exact scoring of the allowed
   ids, or the selector with raised depth) - also with the depth raise switched off, to show what it buys.
+- **thresholds**: ``min_score`` searches on the same indexes: an HNSW base scanned exactly over its flat storage
+  against the growing search used past ``indexer.searcher.HNSW_SCAN_MAX`` (queries/s, recall of the items above
+  thresholds met by the first 11, 41 and 81).
 - **duplicates**: ``indexer.duplicates.duplicate_groups`` over the same IVF index (every item searched for its 10
   nearest with its stored vector; 1% of items planted as near-copies): wall time, items/s, groups found.
 - **classify**: ``moco classify INDEX_DIR FOLDER --out rows.csv`` over ``--images`` generated PNGs against a
@@ -18,6 +21,7 @@ Phases (each writes one JSON file under ``bench/results/``; run each alone, with
   its fixed start (the same command over one image).
 
     python -m bench.search_filters filters --n 1000000
+    python -m bench.search_filters thresholds --n 200000 --factories IDMap2,HNSW32 --queries 100
     python -m bench.search_filters duplicates --n 1000000
     python -m bench.search_filters classify --images 10000
     python -m bench.search_filters all --n 20000 --images 200 --work /tmp/sf   # a quick check that it runs
@@ -150,6 +154,63 @@ def phase_filters(args) -> None:
     _write(args.name or f"search_filters_{args.n}.json", args, rows)
 
 
+def phase_thresholds(args) -> None:
+    """Threshold search (``min_score``) on each factory: an HNSW part scanned exactly over its flat storage
+    against the growing search the engine does past ``searcher.HNSW_SCAN_MAX`` (its first ``--threshold-k``
+    at the tuned depth, then again with the depth raised by ``filters.threshold_factor`` of the items above),
+    for thresholds met by the first 11, 41 and 81 items: queries/s (one at a time, one FAISS thread) and the
+    recall of the items above the threshold."""
+    import faiss
+
+    from moco_retrieval.indexer import searcher
+    from moco_retrieval.indexer.filters import threshold_factor
+
+    faiss.omp_set_num_threads(1)
+    xb = _corpus(args.n)
+    xq = np.concatenate([chunk_vectors(c, DIM, seed=7) for c in range(1 + args.queries // CHUNK)])[: args.queries]
+    rows = []
+    for factory in args.factories:
+        index, built, removed = _layered(factory, xb)
+        live = np.ones(args.n, dtype=bool)
+        live[removed] = False
+        scores = xq @ xb[live].T
+        ranked = -np.sort(-scores, axis=1)
+        for rank in (10, 40, 80):
+            radius = ranked[:, rank] - 1e-4
+            truth = [set(np.flatnonzero(live)[scores[q] >= radius[q]].tolist()) for q in range(len(xq))]
+            for path in ("scan", "grown"):
+                searcher.HNSW_SCAN_MAX = args.n if path == "scan" else 0
+                index.__dict__.pop("_scans", None)
+                if path == "scan" and not index.can_range_search:
+                    continue
+                found = []
+                tic = time.perf_counter()
+                for q in range(len(xq)):
+                    if path == "scan":
+                        ((D, I),) = index.range_search(xq[q : q + 1], float(radius[q]))
+                    else:
+                        D, I = index.search(xq[q : q + 1], args.threshold_k)
+                        above = int(np.count_nonzero((I[0] >= 0) & (D[0] >= radius[q])))
+                        if threshold_factor(above) > 1:
+                            D, I = index.search(xq[q : q + 1], args.threshold_k, depth=threshold_factor(above))
+                        D, I = D[0], I[0]
+                    found.append(set(I[(I >= 0) & (D >= radius[q])].tolist()))
+                seconds = time.perf_counter() - tic
+                recall = sum(len(f & t) for f, t in zip(found, truth)) / sum(len(t) for t in truth)
+                row = {
+                    "factory": factory,
+                    "n": args.n,
+                    "params": built.search_params,
+                    "above": rank + 1,
+                    "path": path,
+                    "qps": round(len(xq) / seconds, 1),
+                    "recall": round(recall, 4),
+                }
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    _write(args.name or f"search_thresholds_{args.n}.json", args, rows)
+
+
 def phase_duplicates(args) -> None:
     import faiss
 
@@ -275,7 +336,7 @@ def phase_classify(args) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("phase", choices=("filters", "duplicates", "classify", "all"))
+    p.add_argument("phase", choices=("filters", "thresholds", "duplicates", "classify", "all"))
     p.add_argument("--n", type=int, default=1_000_000, help="filters / duplicates: vectors (512-d)")
     p.add_argument("--queries", type=int, default=200, help="filters: query vectors")
     p.add_argument(
@@ -292,6 +353,7 @@ def main() -> None:
         default=[],
         help="filters: also search with the selector at these fixed depth factors (nprobe / efSearch times F)",
     )
+    p.add_argument("--threshold-k", type=int, default=1000, help="thresholds: k of the growing search (max_k)")
     p.add_argument("--dup-factory", default="IVF1024,Flat", help="duplicates: index type")
     p.add_argument("--threshold", type=float, default=0.95, help="duplicates: similarity threshold")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="duplicates: FAISS threads")
@@ -303,9 +365,10 @@ def main() -> None:
     args = p.parse_args()
     if args.work is None:
         args.work = tempfile.mkdtemp(prefix="search_filters-")
-    phases = ("filters", "duplicates", "classify") if args.phase == "all" else (args.phase,)
+    phases = ("filters", "thresholds", "duplicates", "classify") if args.phase == "all" else (args.phase,)
+    run = {"filters": phase_filters, "thresholds": phase_thresholds, "duplicates": phase_duplicates}
     for phase in phases:
-        {"filters": phase_filters, "duplicates": phase_duplicates, "classify": phase_classify}[phase](args)
+        {**run, "classify": phase_classify}[phase](args)
 
 
 if __name__ == "__main__":

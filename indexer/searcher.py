@@ -29,6 +29,7 @@ from moco_retrieval.indexer.filters import answered_exactly, combined_factor, de
 LOG = logging.getLogger(__name__)
 
 GPU_MAX_K = 2048  # FAISS GPU search returns at most this many neighbours (and probes at most this many lists)
+HNSW_SCAN_MAX = 100_000  # HNSW parts up to this size answer a threshold exactly from their flat storage (~14 ms)
 
 
 def unwrap(index: faiss.Index) -> faiss.Index:
@@ -155,12 +156,15 @@ class LayeredIndex:
             I = np.where(gone, -1, I)
         return merge_results([(D, I)], k)
 
-    def _params(self, part: faiss.Index, is_base: bool, factor: int):
-        """The search parameters of one layer ``factor`` times deeper than tuned (``None``: a type without them)."""
-        if factor <= 1:
+    def _params(self, part: faiss.Index, is_base: bool, factor: int, k: int = 0):
+        """The search parameters of one layer ``factor`` times deeper than tuned (``None``: a type without them),
+        an HNSW beam (efSearch) at least ``k``: FAISS's HNSW returns at most efSearch found neighbours, so a
+        deeper k alone finds nothing more (5,000 items at efSearch 16: recall of the first 11 0.93 at k = 11,
+        100 or 1,000)."""
+        if factor <= 1 and k <= self.params.get("efSearch", k):
             return self._base_params if is_base else self._delta_params
         ivf = faiss.try_extract_index_ivf(part)
-        params = filtered_params(self.params, factor, ivf.nlist if ivf is not None else None)
+        params = filtered_params(self.params, factor, ivf.nlist if ivf is not None else None, min_ef=k)
         return search_parameters(part, params, self._selector if is_base else None)
 
     def _search_base(self, xq: np.ndarray, k: int, depth: int = 1) -> tuple[np.ndarray, np.ndarray]:
@@ -168,7 +172,7 @@ class LayeredIndex:
         if self.gpu is not None and depth <= 1 and self.gpu.can_search(deeper):  # (the copy keeps the tuned nprobe)
             D, I = self.gpu.search(xq, deeper)
             return self._drop_removed(D, I, k)
-        params = self._params(self.base, True, depth)
+        params = self._params(self.base, True, depth, k)
         if params is not None:
             return self.base.search(xq, k, params=params)
         D, I = self.base.search(xq, max(1, deeper))
@@ -235,7 +239,7 @@ class LayeredIndex:
         parts = [self._search_base(xq, fetch, depth)] if self.base_ntotal else []
         if self.delta is not None:
             kd = max(1, min(fetch, int(self.delta.ntotal)))
-            params = self._params(self.delta, False, depth)
+            params = self._params(self.delta, False, depth, kd)
             parts.append(self.delta.search(xq, kd, params=params) if params is not None else self.delta.search(xq, kd))
         if not parts:
             return (np.full((len(xq), k), -np.inf, dtype=np.float32), np.full((len(xq), k), -1, dtype=np.int64))
@@ -245,14 +249,16 @@ class LayeredIndex:
         return merge_results([(D, I)], k) if D.shape[1] != k else (D, I)
 
     def _hnsw_scan(self, part: faiss.Index):
-        """``(flat storage, position -> id)`` of an ``IDMap(2),HNSW..Flat`` part, for an exact range search; the
-        id map is copied once per generation (it is immutable), never per request. ``None`` for other types."""
+        """``(flat storage, position -> id)`` of an ``IDMap(2),HNSW..Flat`` part of at most ``HNSW_SCAN_MAX``
+        vectors, for an exact range search; the id map is copied once per generation (it is immutable), never
+        per request. ``None`` for other types and larger parts (searched with a growing k instead)."""
         cache = self.__dict__.setdefault("_scans", {})
         if id(part) not in cache:
             found = None
             outer = faiss.downcast_index(part)
             inner = unwrap(part)
-            if isinstance(outer, (faiss.IndexIDMap, faiss.IndexIDMap2)) and hasattr(inner, "hnsw"):
+            small = part.ntotal <= HNSW_SCAN_MAX
+            if small and isinstance(outer, (faiss.IndexIDMap, faiss.IndexIDMap2)) and hasattr(inner, "hnsw"):
                 storage = faiss.downcast_index(inner.storage)
                 if isinstance(storage, faiss.IndexFlat):
                     found = (storage, faiss.vector_to_array(outer.id_map).astype(np.int64))
@@ -267,10 +273,12 @@ class LayeredIndex:
     @property
     def can_range_search(self) -> bool:
         """True when :meth:`range_search` finds every item above the radius that a k-NN search as deep would
-        (or more): flat and IVF parts take our parameters (selector, nprobe); HNSW parts are scanned exactly
-        over their flat storage, because FAISS's HNSW range search, like a deep HNSW k-NN search, stops where
-        its beam ends (measured on 460 clustered items: 132 of 200 asked for came back, recall 0.50). False for
-        scores of compressed codes that wait to be re-ranked (IVF-PQ): those grow k instead."""
+        (or more): flat and IVF parts take our parameters (selector, nprobe); HNSW parts of at most
+        ``HNSW_SCAN_MAX`` vectors are scanned exactly over their flat storage, because FAISS's HNSW range
+        search, like a deep HNSW k-NN search, stops where its beam ends (measured on 460 clustered items: 132
+        of 200 asked for came back, recall 0.50). False for larger HNSW parts (a scan reads the whole corpus:
+        138 ms a query at 1M x 512) and for scores of compressed codes that wait to be re-ranked (IVF-PQ): those
+        grow k, with efSearch / nprobe raised by what the threshold reaches, instead."""
         if self.refine > 1:
             return False
         return all(

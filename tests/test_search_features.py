@@ -124,11 +124,19 @@ def test_min_score__returns_exactly_the_items_above_the_score(layered):
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
-@pytest.mark.parametrize("kind", ["ivf", "ivfpq"])
-def test_min_score__ivf_finds_the_first_tens_above_a_threshold_as_exact_search_does(tmp_path, kind, seed):
+@pytest.mark.parametrize("kind", ["ivf", "ivfpq", "hnsw-grown"])
+def test_min_score__ivf_finds_the_first_tens_above_a_threshold_as_exact_search_does(tmp_path, kind, seed, monkeypatch):
     """nprobe is tuned for recall@10; a threshold search that reaches tens of items probes deeper (issue 24: at the
-    tuned nprobe the recall of these thresholds was 0.84-0.93 on these generations, 0.83 over random draws)."""
+    tuned nprobe the recall of these thresholds was 0.84-0.93 on these generations, 0.83 over random draws).
+    ``hnsw-grown``: an HNSW base over ``HNSW_SCAN_MAX`` (lowered here) is not scanned but searched with a growing k
+    and efSearch raised the same way."""
+    from moco_retrieval.indexer import searcher
+
+    if kind == "hnsw-grown":
+        monkeypatch.setattr(searcher, "HNSW_SCAN_MAX", 0)
+        kind = "hnsw"
     gen = _layered_generation(tmp_path, kind, seed)
+    assert gen.engine._current.can_range_search == (kind == "ivf")
     rng = np.random.default_rng(seed)
     found = wanted = 0
     try:
