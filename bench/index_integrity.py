@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -29,6 +27,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+
+from bench.machine import machine  # noqa: E402
 
 
 def _median(fn, repeat: int) -> float:
@@ -78,7 +78,7 @@ def main() -> None:
     row = {
         "benchmark": "index_integrity",
         "command": " ".join(sys.argv),
-        "machine": {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version()},
+        "machine": machine(),
         "generation": live,
         "items": verified.count,
         "factory": manifest.factory,

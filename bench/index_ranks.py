@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
 import shutil
 import subprocess
@@ -37,6 +36,8 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+
+from bench.machine import machine  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "results"
 ENV = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
@@ -129,7 +130,7 @@ def main() -> None:
         count = len(walk_image_files(args.images))
         result = {
             "benchmark": "index_ranks",
-            "machine": {"host": platform.node(), "cpus": os.cpu_count()},
+            "machine": machine(),
             "images_dir": str(args.images),
             "images": count,
             "batch_size": args.batch_size,

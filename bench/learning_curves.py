@@ -45,6 +45,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from bench.machine import machine  # noqa: E402
+
 ARCH, IMAGE_SIZE = "resnet18", 32
 COMMON = ["--arch", ARCH, "--image-size", str(IMAGE_SIZE), "--log-every", "10", "--save-every", "1000"]
 RECIPES: dict[str, list[str]] = {
@@ -276,6 +278,7 @@ def main(argv: list[str] | None = None) -> dict:
         "benchmark": "learning_curves",
         "host": platform.node(),
         "cpu_count": os.cpu_count(),
+        "machine": machine(),
         "budget": args.budget,
         "seeds": args.seeds,
         "common_args": COMMON,

@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import tempfile
 import time
@@ -43,6 +42,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.machine import machine  # noqa: E402
 from bench.scale_data import CHUNK, DIM, chunk_vectors  # noqa: E402
 
 OUT = REPO / "bench" / "results"
@@ -56,7 +56,7 @@ def _write(name: str, args, rows: list[dict]) -> Path:
     body = {
         "benchmark": "search_filters",
         "command": " ".join(sys.argv),
-        "machine": {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version()},
+        "machine": machine(),
         "rows": rows,
     }
     path.write_text(json.dumps(body, indent=2) + "\n")

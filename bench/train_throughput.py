@@ -32,6 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.machine import machine  # noqa: E402
 from moco_retrieval.trainer.config import VITS, TrainConfig  # noqa: E402
 from moco_retrieval.trainer.device import cpu_has_native_bf16, resolve_device  # noqa: E402
 from moco_retrieval.trainer.recipes import resolve_before_training, resolve_schedule  # noqa: E402
@@ -220,6 +221,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             {
                 "benchmark": "train_throughput",
                 "host": platform.node(),
+                "machine": machine(),
                 "cpu_threads": torch.get_num_threads(),
                 "cpu_native_bf16": cpu_has_native_bf16(),
                 "torch": torch.__version__,
