@@ -329,7 +329,10 @@ class LayeredIndex:
 
     def _search_filtered(self, xq: np.ndarray, k: int, filt, depth: int = 1) -> tuple[np.ndarray, np.ndarray]:
         kept = filt.count()
-        if answered_exactly(kept, self.ntotal):
+        # a small HNSW base is scored exactly whatever the filter keeps: its beam, filtered, stays near the query
+        # (56,000 Fashion-MNIST images, a label other than the query's: recall@10 0.61 at any raise up to x20)
+        small_hnsw = hasattr(unwrap(self.base), "hnsw") and self.base_ntotal <= HNSW_SCAN_MAX
+        if small_hnsw or answered_exactly(kept, self.ntotal):
             exact = self._exact_filtered(xq, k, filt)
             if exact is not None:
                 return exact

@@ -329,11 +329,12 @@ def _exact_filtered(layered, q, keep, k):
 
 @pytest.mark.parametrize("exact_max", [None, 0])  # scored exactly (few kept), or the selector with raised depth
 def test_filters__return_only_allowed_items_and_match_exact_filtered_search(layered, exact_max, monkeypatch):
-    from moco_retrieval.indexer import filters
+    from moco_retrieval.indexer import filters, searcher
     from moco_retrieval.serve.engine import SearchFilter
 
-    if exact_max is not None:
+    if exact_max is not None:  # (and HNSW over its exact-answer size, so that it takes the selector too)
         monkeypatch.setattr(filters, "EXACT_FILTER_MAX", exact_max)
+        monkeypatch.setattr(searcher, "HNSW_SCAN_MAX", exact_max)
     engine = layered.engine
     records = {r["id"]: r for r in engine._current.directory.records(layered.ids.tolist())}
     excluded = tuple(int(i) for i in layered.ids[::7])
