@@ -29,7 +29,7 @@ from moco_retrieval.indexer.filters import answered_exactly, combined_factor, de
 LOG = logging.getLogger(__name__)
 
 GPU_MAX_K = 2048  # FAISS GPU search returns at most this many neighbours (and probes at most this many lists)
-HNSW_SCAN_MAX = 100_000  # HNSW parts up to this size answer a threshold exactly from their flat storage (~14 ms)
+HNSW_SCAN_MAX = 100_000  # HNSW bases up to this size answer thresholds and filters exactly (a threshold: ~14 ms)
 
 
 def unwrap(index: faiss.Index) -> faiss.Index:
