@@ -105,7 +105,7 @@ def decode_files(
     image_size: int,
     resize: str,
     workers: int,
-    chunksize: int = 8,
+    chunksize: int = 32,
     window: int = DECODE_WINDOW,
 ) -> Iterator[Decoded]:
     """Decode ``root / path`` for each path, yielding results in input order.
@@ -122,7 +122,8 @@ def decode_files(
 
     Args:
         workers: processes decoding in parallel; 0 decodes in this process (simplest, for tiny folders).
-        chunksize: files handed to a worker at a time.
+        chunksize: files handed to a worker at a time, and sent back as one message: the pool's result thread
+            wakes once per message (56,000 small PNGs: 1.5 CPU seconds at 8, 0.8-0.9 at 32).
         window: files per window (at least ``chunksize``).
     """
     tasks = ((p, str(root / p), image_size, resize) for p in paths)
