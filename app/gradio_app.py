@@ -44,6 +44,9 @@ from moco_retrieval.serve.engine import DUPLICATE_THRESHOLD, SearchEngine, Searc
 LOG = logging.getLogger(__name__)
 
 UI_MAX_K = 100  # the slider's range; the JSON API allows up to the engine's max_k
+# near-duplicates the panel shows, best first (a threshold of 0.95 on a weak model found 1,000 of 10,000 items:
+# a 46,000-px page, every image copied into Gradio's cache); the summary line says how many there are
+UI_DUPLICATES_SHOWN = 100
 EXAMPLES = 6
 UPLOAD_LIFETIME_S = 3600  # an upload is a query, needed for seconds; an hour covers a slow page
 UPLOAD_CACHE_BYTES = 2 << 30  # all uploads kept at once, whoever sent them: 64 of the largest allowed
@@ -105,6 +108,17 @@ def ui_copy(engine: SearchEngine, record: dict, cache_dir: str | Path) -> Path |
             LOG.warning("cannot copy item %d into %s: %s", rec["id"], cache_dir, exc)
             return None
     return target
+
+
+def duplicates_summary(res, shown: int, threshold: float, max_k: int) -> str:
+    """The line above the near-duplicates gallery: how many were found (``at least`` when the engine's ``max_k``
+    cut the answer) and how many of them the gallery shows."""
+    found = f"{'at least ' if len(res.hits) >= max_k else ''}{len(res.hits)}"
+    line = (
+        f"{found} near-duplicates of item {res.query['id']} (`{display_name(res.query['path'])}`) "
+        f"at a score of {threshold:g} or more"
+    )
+    return line + (f"; the {shown} most similar shown" if shown < len(res.hits) else "")
 
 
 def _about_upload(shown: int, min_score: float | None) -> str:
@@ -210,12 +224,8 @@ def build_ui(engine: SearchEngine) -> gr.Blocks:
         if item_id is None:
             raise gr.Error("Enter an item id, or click a search result.")
         res = _call(engine.duplicates, int(item_id), float(threshold))
-        items, shown = _gallery(engine, res.hits, cache_dir)
-        summary = (
-            f"{len(shown)} near-duplicates of item {res.query['id']} (`{display_name(res.query['path'])}`) "
-            f"at a score of {float(threshold):g} or more"
-        )
-        return items, summary
+        items, shown = _gallery(engine, res.hits[:UI_DUPLICATES_SHOWN], cache_dir)
+        return items, duplicates_summary(res, len(shown), float(threshold), engine.config.max_k)
 
     def stats():
         return stats_markdown(_call(engine.stats))

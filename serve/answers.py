@@ -54,11 +54,13 @@ def public_record(record: dict, extra: tuple[str, ...] = ()) -> dict:
 
 
 def search_answer(res, k: int, min_score: float | None) -> dict:
-    """One search's answer: ``{generation, k, min_score, results: [hit], timings, batch_size[, query]}``."""
+    """One search's answer: ``{generation, k, min_score, capped, results: [hit], timings, batch_size[, query]}``;
+    ``capped``: a threshold search that returned ``k`` hits, so more items may score above ``min_score``."""
     body = {
         "generation": res.generation,
         "k": k,
         "min_score": min_score,
+        "capped": min_score is not None and len(res.hits) >= k,
         "results": [public_record(h) for h in res.hits],
         "timings": res.timings,
         "batch_size": res.batch_size,
@@ -83,11 +85,13 @@ def batch_answer(results: list, k: int, min_score: float | None) -> dict:
     }
 
 
-def duplicates_answer(res, threshold: float) -> dict:
-    """An item's near-duplicates: ``{generation, threshold, query: item, duplicates: [hit]}``."""
+def duplicates_answer(res, threshold: float, limit: int) -> dict:
+    """An item's near-duplicates: ``{generation, threshold, capped, query: item, duplicates: [hit]}``; ``capped``:
+    ``limit`` (the server's max_k) of them came back, so more items may be that similar."""
     return {
         "generation": res.generation,
         "threshold": threshold,
+        "capped": len(res.hits) >= limit,
         "query": item_record(res.query),
         "duplicates": [public_record(h) for h in res.hits],
     }

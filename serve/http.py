@@ -68,6 +68,7 @@ class SearchResponse(BaseModel):
     generation: str
     k: int
     min_score: float | None = None
+    capped: bool = False  # a threshold search that returned k hits: more items may score above min_score
     results: list[Hit]
     timings: dict[str, float]
     batch_size: int
@@ -435,8 +436,9 @@ def create_app(
         ),
     ):
         """The near-duplicates of an indexed item: every other item at least `threshold` similar (re-encodes,
-        crops, resizes, copies), best first; `moco duplicates` groups the whole index the same way."""
-        return duplicates_answer(engine.duplicates(item_id, threshold), threshold)
+        crops, resizes, copies), best first, at most the server's max_k (`capped` true when that many came
+        back); `moco duplicates` groups the whole index the same way."""
+        return duplicates_answer(engine.duplicates(item_id, threshold), threshold, engine.config.max_k)
 
     @app.get("/api/health", response_model=Health, tags=["service"])
     def health():

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from moco_retrieval.contracts.errors import BatchTooLargeError, ConfigError
+from moco_retrieval.serve.answers import duplicates_answer, search_answer
 from moco_retrieval.serve.batching import MicroBatcher
 from tests._serve_helpers import RunningServer
 
@@ -206,6 +207,34 @@ def test_max_k__at_the_limit_answered_one_more_refused_and_a_threshold_search_ca
         (res,) = engine.search([img], min_score=-1.0)
         assert len(res.hits) == 5
         _same_hits(res, unlimited.search([img], k=5)[0])
+        # the answer says when the limit cut it: more items may score above min_score
+        assert search_answer(res, 5, -1.0)["capped"] is True
+        (few,) = engine.search([img], min_score=0.9999)
+        assert len(few.hits) < 5 and search_answer(few, 5, 0.9999)["capped"] is False
+        assert search_answer(engine.search([img], k=5)[0], 5, None)["capped"] is False  # k asked, nothing cut
+        top = res.hits[0]["id"]
+        assert duplicates_answer(engine.duplicates(top, -1.0), -1.0, 5)["capped"] is True
+        assert duplicates_answer(engine.duplicates(top, 0.9999), 0.9999, 5)["capped"] is False
+
+
+def test_ui_duplicates_shown__the_panel_shows_at_most_that_many_and_says_how_many_were_found(served_index, monkeypatch):
+    """UI_DUPLICATES_SHOWN (app/gradio_app.py; 3 here) under max_k (5): the panel's gallery holds the 3 best of
+    the 5 found and its line says "at least 5" (the limit cut the answer) and "the 3 most similar shown"; a
+    threshold that finds fewer than 3 shows them all and says neither."""
+    from moco_retrieval.app import gradio_app
+
+    monkeypatch.setattr(gradio_app, "UI_DUPLICATES_SHOWN", 3)
+    with _engine(served_index, max_k=5, knn_k=5) as engine:
+        ui = gradio_app.build_ui(engine)
+        (duplicates,) = [f.fn for f in ui.fns.values() if f.api_name == "duplicates"]
+        want = engine.duplicates(1, -1.0).hits
+        items, summary = duplicates(1, -1.0)
+        assert len(items) == 3 and [caption.split("id ")[-1] for _, caption in items] == [
+            str(h["id"]) for h in want[:3]
+        ]
+        assert summary.startswith("at least 5 near-duplicates of item 1") and "the 3 most similar shown" in summary
+        items, summary = duplicates(1, 0.9999)
+        assert len(items) < 3 and "at least" not in summary and "shown" not in summary
 
 
 def test_decode_slots__at_most_that_many_decodes_run_at_once(served_index, serve_corpus, monkeypatch):
