@@ -3,7 +3,8 @@
 Drop, paste or shoot an image; get its nearest neighbours as a captioned gallery (score and label, path, id:
 every line shown whole, in as many columns as the width allows) and the k-NN label vote as a chart (voted by
 ``EngineConfig.knn_k`` neighbours, the CLI's and the API's default). A min-score slider, a label picker and a
-near-duplicates panel narrow or widen the answer. Clicking a result searches from that item; a new upload
+near-duplicates panel narrow or widen the answer. Clicking a result searches from that item and shows it as the
+query image; a new upload
 describes itself and clears the selection and the item id. Every handler has an explicit ``api_name``
 (``search``, ``classify``, ``search_by_id``, ``select_result``, ``duplicates``, ``stats``) so ``gradio_client``
 can call it (``search`` and ``search_by_id`` return the gallery as an update that also clears its selection);
@@ -206,7 +207,8 @@ def build_ui(engine: SearchEngine) -> gr.Blocks:
         return hits[evt.index]["id"]
 
     def search_by_id(item_id: float | None, k: float, min_score: float | None = None, labels: list[str] | None = None):
-        """Neighbours of an indexed item: (gallery, hits, label chart, query description)."""
+        """Neighbours of an indexed item: (gallery, hits, label chart, query description, the item's image for
+        the query panel: the image searched from, not the last upload; empty when its file is gone)."""
         if item_id is None:
             raise gr.Error("Enter an item id, or click a search result.")
         res = _call(engine.search_by_id, int(item_id), int(k), _min_score(min_score), _filter(labels))
@@ -217,7 +219,8 @@ def build_ui(engine: SearchEngine) -> gr.Blocks:
         )
         chart = _votes(_call(engine.classify_by_id, int(item_id), knn_k).probabilities) if engine.labels() else {}
         items, shown = _gallery(engine, res.hits, cache_dir)
-        return gr.Gallery(value=items, selected_index=None), shown, chart, about
+        query_copy = ui_copy(engine, q, cache_dir)
+        return gr.Gallery(value=items, selected_index=None), shown, chart, about, query_copy and str(query_copy)
 
     def duplicates(item_id: float | None, threshold: float):
         """Near-duplicates of an indexed item: (gallery, summary)."""
@@ -311,14 +314,14 @@ def build_ui(engine: SearchEngine) -> gr.Blocks:
         gallery.select(select_result, inputs=[hits], outputs=[item_id], api_name="select_result").then(
             search_by_id,
             inputs=[item_id, k, min_score, labels],
-            outputs=[gallery, hits, label, about],
+            outputs=[gallery, hits, label, about, image],
             api_name="search_by_id_clicked",
             api_visibility="private",
         )
         by_id.click(
             search_by_id,
             inputs=[item_id, k, min_score, labels],
-            outputs=[gallery, hits, label, about],
+            outputs=[gallery, hits, label, about, image],
             api_name="search_by_id",
         )
         dup_button.click(

@@ -51,8 +51,10 @@ def test_gradio_client__calls_search_and_classify(live_server, serve_corpus, ser
     (api,) = served_engine.classify([str(query)])  # the same default k as the API and the CLI
     assert {c["label"]: c["confidence"] for c in label["confidences"]} == pytest.approx(api.probabilities)
     item_id = int(gallery[1]["caption"].rsplit("id ", 1)[1])
-    update2, chart, about = client.predict(item_id, 3, -1, api_name="/search_by_id")
+    update2, chart, about, shown = client.predict(item_id, 3, -1, api_name="/search_by_id")
     assert len(update2["value"]) == 3 and f"item {item_id}" in about and chart["label"] == "blue"
+    # the query panel now shows the item searched from, byte for byte its indexed file
+    assert Path(shown).read_bytes() == (serve_corpus / served_engine.item(item_id)["path"]).read_bytes()
     above, _, _ = client.predict(handle_file(str(query)), 100, 0.99, api_name="/search")
     scores = [float(g["caption"].split(" ")[0]) for g in above["value"]]
     assert scores and min(scores) >= 0.99
@@ -116,9 +118,12 @@ def test_browser__upload_fills_the_gallery_and_a_click_searches_from_a_result(li
             assert "…" not in first.inner_text()
             page.wait_for_timeout(300)  # let the last fade-in finish for the screenshot
             page.screenshot(path=str(shot), full_page=True)
+            before = page.locator("#query-image img").first.get_attribute("src")
             images.nth(1).click()  # a click on a result searches from that item
             expect(page.locator("#about")).to_contain_text("Searched from item", timeout=30_000)
             expect(page.locator("#results img")).to_have_count(10, timeout=30_000)
+            # and the query panel shows that item, not the upload any more
+            expect(page.locator("#query-image img").first).not_to_have_attribute("src", before, timeout=30_000)
             # a second query, by upload: the page describes it, not the clicked item, and selects nothing
             page.locator("#query-image input[type=file]").set_input_files(str(serve_corpus / "blue" / "blue_003.png"))
             expect(page.locator("#about")).to_contain_text("Searched from the uploaded image", timeout=30_000)
