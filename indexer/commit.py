@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -81,17 +82,17 @@ def commit_full(run: Run, staging: GenerationPaths, name: str, changes: Changes)
     """A generation from scratch: one-layer metadata, every vector in one block, a freshly trained index.
     Records and vectors go through in chunks, so 10M files never sit in memory as records or float32 rows.
 
-    The vectors go into their block first; then the FAISS index (C++ that releases the GIL) is built from the
-    block on a second thread while this one writes the records (Python and LMDB): the two share no file, and
-    on two cores the serial tail of a build was both of them one after the other. The clock's ``commit`` is
-    the block and the records, ``index`` what is left of the FAISS part after them (0 when it finished
-    first), ``index_build`` the FAISS part's own seconds (overlapped, not a phase of the total)."""
+    The vectors go into their block first; then the records (Python and LMDB) go into the store on a second
+    thread while this one builds the FAISS index from the block (C++ that releases the GIL): the two share no
+    file, and on two cores the serial tail of a build was both of them one after the other. FAISS stays on the
+    main thread, where Ctrl-C reaches it; the records thread stops at its next chunk when the build fails or
+    is interrupted. The clock: ``commit`` is the block and the wait for the records after the index,
+    ``index`` the FAISS part, ``records`` the records thread's own seconds (overlapped, not in the total)."""
     cfg, encoder, readable = run.cfg, run.encoder, changes.readable
     choice = wanted_index(cfg, len(readable), encoder.embedding_dim)
     dtype = block_dtype(choice.factory)
-    with run.clock.phase("commit"):
-        labels, duplicates = {}, 0
-        with MetadataStore(staging.meta, readonly=False) as store:
+    with MetadataStore(staging.meta, readonly=False) as store:
+        with run.clock.phase("commit"):
             if run.prev_manifest is not None:  # --rebuild: ids continue, never reused
                 store.set_next_id(run.prev_manifest.next_id)
             next_id = store.next_id()
@@ -101,19 +102,22 @@ def commit_full(run: Run, staging: GenerationPaths, name: str, changes: Changes)
                 for start in range(0, len(readable), RECORD_CHUNK):
                     paths = [e.path for e in readable[start : start + RECORD_CHUNK]]
                     writer.extend(ids[start : start + len(paths)], run.shards.vectors(paths))
-            with ThreadPoolExecutor(1, thread_name_prefix="moco-faiss-build") as pool:
-                index_part = pool.submit(_timed_index_part, run, staging, choice, ids, blocks)
-                for start in range(0, len(readable), RECORD_CHUNK):
-                    chunk = readable[start : start + RECORD_CHUNK]
-                    stored = store.add_items(_records(run, chunk, next_id + start))
-                    labels = _label_counts(labels, stored, [])
-                    duplicates += sum(r.duplicate_of is not None for r in stored)
-                store.replace_skipped(run.plan.skipped)
-                final_next_id = store.next_id()
-                store.sync()
-    with run.clock.phase("index"):
-        built, seconds = index_part.result()  # raises what the FAISS part raised
-        run.clock.add("index_build", seconds)
+        stop = threading.Event()
+        with ThreadPoolExecutor(1, thread_name_prefix="moco-records") as pool:
+            records = pool.submit(_write_records, run, store, readable, next_id, stop)
+            try:
+                with run.clock.phase("index"):
+                    built = _build_faiss(run, staging, choice, ids, blocks)
+                    _copy_encoder(run, staging)
+                with run.clock.phase("commit"):
+                    labels, duplicates, seconds = records.result()  # raises what the records thread raised
+            except BaseException:  # Ctrl-C or a failed build: the records are not wanted any more
+                stop.set()
+                raise
+        with run.clock.phase("commit"):
+            run.clock.add("records", seconds)
+            final_next_id = store.next_id()
+            store.sync()
     with run.clock.phase("checksums"):
         files = integrity.record_files(staging, integrity.encoder_record(staging, encoder.sha256))
         block_files = integrity.record_blocks(run.layout, blocks, writer.records)
@@ -134,14 +138,22 @@ def commit_full(run: Run, staging: GenerationPaths, name: str, changes: Changes)
     )
 
 
-def _timed_index_part(
-    run: Run, staging: GenerationPaths, choice: faiss_index.IndexChoice, ids: np.ndarray, blocks: list[str]
-) -> tuple[faiss_index.BuiltIndex, float]:
-    """The FAISS index of a full build and the encoder's copy, and the seconds they took."""
+def _write_records(
+    run: Run, store: MetadataStore, readable: list[FoundFile], next_id: int, stop: threading.Event
+) -> tuple[dict, int, float]:
+    """A full build's records, a chunk per transaction, and its unreadable files; returns ``(label counts,
+    duplicates, seconds)``. Returns early (its results unused) once ``stop`` is set."""
     tic = time.perf_counter()
-    built = _build_faiss(run, staging, choice, ids, blocks)
-    _copy_encoder(run, staging)
-    return built, time.perf_counter() - tic
+    labels, duplicates = {}, 0
+    for start in range(0, len(readable), RECORD_CHUNK):
+        if stop.is_set():
+            break
+        stored = store.add_items(_records(run, readable[start : start + RECORD_CHUNK], next_id + start))
+        labels = _label_counts(labels, stored, [])
+        duplicates += sum(r.duplicate_of is not None for r in stored)
+    else:
+        store.replace_skipped(run.plan.skipped)
+    return labels, duplicates, time.perf_counter() - tic
 
 
 def _build_faiss(

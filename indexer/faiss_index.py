@@ -34,7 +34,7 @@ from typing import Callable, Iterator
 import faiss
 import numpy as np
 
-from moco_retrieval.contracts.atomic import check_free_space
+from moco_retrieval.contracts.atomic import WriteErrors, check_free_space, output_errors
 from moco_retrieval.contracts.errors import ConfigError, IndexBuildError, OutputError
 from moco_retrieval.indexer import faiss_gpu
 from moco_retrieval.indexer.config import TARGET_RECALL
@@ -472,13 +472,17 @@ def _climb(
 
 
 def write_index(index: faiss.Index, path: str) -> None:
-    """Write ``index`` to ``path``.
+    """Write ``index`` to ``path`` through Python's file I/O (``faiss.PyCallbackIOWriter``), so a failed write
+    raises here, once: FAISS's own file writer also printed "file ... close error: No space left on device"
+    to stderr from a destructor, beside the command's one-line error.
 
     Raises:
-        OutputError: FAISS could not write the file (full disk, permissions).
+        OutputError: the file could not be written (full disk, permissions).
     """
     try:
-        faiss.write_index(index, path)
+        with output_errors(path, "check free space and permissions, then rerun"), open(path, "wb") as f:
+            with WriteErrors(f) as out:
+                faiss.write_index(index, faiss.PyCallbackIOWriter(out.write))
     except RuntimeError as exc:
         raise OutputError(
             f"cannot write {path} ({str(exc).splitlines()[-1].strip()}); check free space and permissions, then rerun"

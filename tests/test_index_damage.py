@@ -14,6 +14,7 @@ exactly what they answered before the damage.
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import os
 import re
@@ -395,6 +396,32 @@ def test_disk_full__while_writing_the_vector_block_is_one_line_and_keeps_the_liv
     monkeypatch.undo()
     assert build_index_dir(cfg, embedder=emb).generation == LIVE  # and the rerun publishes, from the shards
     assert emb.calls[-1] == 0
+
+
+def test_disk_full__when_the_faiss_file_is_closed_is_one_line_and_nothing_on_stderr(tmp_path, monkeypatch, capfd):
+    """FAISS's own file writer reported a failed close only by printing "close error" to stderr from a destructor
+    (the last buffered bytes never reached a full disk, and no exception said so); written through Python's I/O,
+    the close raises the one-line OutputError."""
+    import errno
+
+    import faiss
+
+    from moco_retrieval.contracts.errors import OutputError
+    from moco_retrieval.indexer import faiss_index
+
+    class FullAtClose(io.FileIO):
+        def close(self):
+            if not self.closed:
+                super().close()
+                raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(faiss_index, "open", lambda path, mode: FullAtClose(path, "w"), raising=False)
+    index = faiss.IndexFlatIP(8)
+    index.add(np.ones((4, 8), dtype="float32"))
+    with pytest.raises(OutputError, match=r"^disk full while writing .*x\.faiss; free some space") as info:
+        faiss_index.write_index(index, str(tmp_path / "x.faiss"))
+    assert "\n" not in str(info.value)
+    assert capfd.readouterr().err == ""
 
 
 def test_disk_full__free_space_is_checked_before_the_block_is_written(tmp_path, monkeypatch):
