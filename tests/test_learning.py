@@ -38,7 +38,9 @@ COMMON = ["--image-size", "32", "--workers", "0", "--device", "cpu", "--seed", "
 # of 1,600 images), 32 for MoCo v3
 RECIPES = {
     "v2_resnet18": (64, 384, ["--moco-version", "2", "--arch", "resnet18"]),
-    "v3_resnet18": (16, 800, ["--moco-version", "3", "--arch", "resnet18"]),
+    # fp32 as measured: bf16 autocast (the default on a CPU with native bf16) reached 53.5% at 800 steps (CI,
+    # 2026-12-03), still in the dip that fp32 leaves by then
+    "v3_resnet18": (16, 800, ["--moco-version", "3", "--arch", "resnet18", "--no-amp"]),
     "v3_vit_tiny": (3, 75, ["--moco-version", "3", "--arch", "vit_tiny", "--patch-size", "8", "--batch-size", "64"]),
 }
 
