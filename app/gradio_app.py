@@ -40,6 +40,7 @@ from moco_retrieval.contracts.encoder_format import model_label
 from moco_retrieval.contracts.errors import MocoError
 from moco_retrieval.contracts.filenames import display_name
 from moco_retrieval.contracts.knn import SEARCH_K
+from moco_retrieval.serve.answers import capped
 from moco_retrieval.serve.engine import DUPLICATE_THRESHOLD, SearchEngine, SearchFilter
 
 LOG = logging.getLogger(__name__)
@@ -114,7 +115,7 @@ def ui_copy(engine: SearchEngine, record: dict, cache_dir: str | Path) -> Path |
 def duplicates_summary(res, shown: int, threshold: float, max_k: int) -> str:
     """The line above the near-duplicates gallery: how many were found (``at least`` when the engine's ``max_k``
     cut the answer) and how many of them the gallery shows."""
-    found = f"{'at least ' if len(res.hits) >= max_k else ''}{len(res.hits)}"
+    found = f"{'at least ' if capped(res.hits, max_k) else ''}{len(res.hits)}"
     line = (
         f"{found} near-duplicates of item {res.query['id']} (`{display_name(res.query['path'])}`) "
         f"at a score of {threshold:g} or more"

@@ -53,6 +53,12 @@ def public_record(record: dict, extra: tuple[str, ...] = ()) -> dict:
     return out
 
 
+def capped(hits: list, limit: int) -> bool:
+    """Whether a threshold answer may have been cut short: it holds ``limit`` hits (its ``k``, or the server's
+    ``max_k``), so more items may score above its threshold."""
+    return len(hits) >= limit
+
+
 def search_answer(res, k: int, min_score: float | None) -> dict:
     """One search's answer: ``{generation, k, min_score, capped, results: [hit], timings, batch_size[, query]}``;
     ``capped``: a threshold search that returned ``k`` hits, so more items may score above ``min_score``."""
@@ -60,7 +66,7 @@ def search_answer(res, k: int, min_score: float | None) -> dict:
         "generation": res.generation,
         "k": k,
         "min_score": min_score,
-        "capped": min_score is not None and len(res.hits) >= k,
+        "capped": min_score is not None and capped(res.hits, k),
         "results": [public_record(h) for h in res.hits],
         "timings": res.timings,
         "batch_size": res.batch_size,
@@ -91,7 +97,7 @@ def duplicates_answer(res, threshold: float, limit: int) -> dict:
     return {
         "generation": res.generation,
         "threshold": threshold,
-        "capped": len(res.hits) >= limit,
+        "capped": capped(res.hits, limit),
         "query": item_record(res.query),
         "duplicates": [public_record(h) for h in res.hits],
     }
