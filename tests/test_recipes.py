@@ -97,3 +97,15 @@ def test_recipe_table__help_and_reasons_state_the_tables_own_figures():
     cfg = resolve_before_training(cfg, MoCoV3ViTVariant(), 1600, 1, on_gpu=False)
     assert "20x the paper's base lr" in cfg.derived["lr"]["why"]  # was "8x" for the ViT, whose lr is 20x
     assert MoCoV3ViTVariant.paper is t.PAPER["v3_vit"]  # one home for the paper values
+
+
+def test_precision__fp32_on_a_cpu_bf16_on_a_gpu_unless_asked():
+    import torch
+
+    from moco_retrieval.trainer.config import CPU_FP32_WHY
+    from moco_retrieval.trainer.device import resolve_amp
+
+    assert resolve_amp(None, torch.device("cpu")) == (False, CPU_FP32_WHY)  # whatever the CPU's bf16 support
+    assert resolve_amp(None, torch.device("cuda")) == (True, "GPU")
+    assert resolve_amp(True, torch.device("cpu")) == (True, "--amp")
+    assert resolve_amp(False, torch.device("cuda")) == (False, "--no-amp")

@@ -31,6 +31,8 @@ STEM_KERNEL = {"imagenet": 7, "nopool": 7, "small": 3}
 STEMS = ("auto", *STEM_KERNEL)
 AUTO_WORD_OPTIONS = ("stem", "arch")  # left unset as the word "auto" (every other option: None)
 RECIPES = ("auto", "paper")
+# Why a CPU trains in fp32 unless --amp asks for bf16 (the figures: docs/ARCHITECTURE.md, "Measured lessons").
+CPU_FP32_WHY = "bf16 autocast measured 0.92-1.38x fp32's speed on CPUs and learned less per step"
 
 # Fields that define the model, the data order or the objective: a resumed run must match them.
 RESUME_MUST_MATCH = (
@@ -223,8 +225,7 @@ class TrainConfig:
     device: str = option("auto", "auto (GPU when usable), cpu, cuda or cuda:N", "running")
     amp: bool | None = option(
         None,
-        "bfloat16 mixed precision (default: on for GPUs and for CPUs with native "
-        "bf16, e.g. avx512_bf16 or AMX; --no-amp refuses it)",
+        f"bfloat16 mixed precision (default: on for GPUs, off on CPUs: {CPU_FP32_WHY}; --no-amp refuses it)",
         "running",
         action=argparse.BooleanOptionalAction,
     )

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from moco_retrieval.contracts.errors import ConfigError
+from moco_retrieval.trainer.config import CPU_FP32_WHY
 
 
 def resolve_device(name: str, local_rank: int = 0) -> torch.device:
@@ -26,22 +27,19 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
 
 
 def cpu_has_native_bf16() -> bool:
-    """True when this CPU computes bfloat16 natively (AVX512-BF16 or AMX), where bf16 autocast speeds up
-    training (measured on 2 cores with avx512_bf16: a ResNet-18 MoCo v2 step at 32 px 1.5x faster) instead of
-    emulating it (slower than fp32)."""
+    """True when this CPU computes bfloat16 natively (AVX512-BF16 or AMX) rather than emulating it. Recorded by
+    the benchmarks; it does not decide the default precision (see :func:`resolve_amp`)."""
     try:
         flags = Path("/proc/cpuinfo").read_text().split()
-    except OSError:  # not Linux: leave it to --amp
+    except OSError:  # not Linux
         return False
     return any(flag in flags for flag in ("avx512_bf16", "amx_bf16"))
 
 
 def resolve_amp(requested: bool | None, device: torch.device) -> tuple[bool, str]:
-    """``(use bf16 autocast, why)``: as requested, else on for CUDA and for CPUs with native bf16."""
+    """``(use bf16 autocast, why)``: as requested, else on for CUDA and off on a CPU."""
     if requested is not None:
         return requested, "--amp" if requested else "--no-amp"
     if device.type == "cuda":
         return True, "GPU"
-    if cpu_has_native_bf16():
-        return True, "this CPU has native bf16 (avx512_bf16 / AMX)"
-    return False, "this CPU has no native bf16"
+    return False, CPU_FP32_WHY
