@@ -10,9 +10,10 @@ first get *worse* than random ones (the dip); the schedule's cosine has to take 
 
 The three runs are real ``moco train`` processes started together, one thread each, so each run's arithmetic
 does not depend on the machine's core count. The k-NN figures in each test were measured so (v2 and the ViT on a
-CPU with native bf16, so in bf16; the v3 ResNet at 1,200 steps in fp32 and in bf16: 800 ended inside the dip
-on an AVX-512 CPU); training is deterministic on a given CPU, and the asserted margin of 6 points leaves room
-for another CPU's rounding. On a CPU the auto
+CPU with native bf16, in bf16, then the default there; the v3 ResNet at 1,200 steps in fp32 and in bf16: 800
+ended inside the dip on an AVX-512 CPU). CPUs now train in fp32 unless --amp, as AVX2 CPUs always did;
+training is deterministic on a given CPU, and the asserted margin of 6 points leaves room for another CPU's
+rounding. On a CPU the auto
 recipe picks the ImageNet stem, about 9x cheaper per image than the small one at 32 px, so these runs take
 more steps than the small-stem runs they replaced in less time.
 """
