@@ -15,6 +15,7 @@ EPILOG_EVAL = """\
 examples:
   moco eval knn --train shapes/train --test shapes/val runs/shapes
   moco eval knn --train shapes/train --test shapes/val runs/shapes/encoder.onnx --out results/knn.json
+  moco eval knn --train shapes/train --test shapes/val runs/shapes --pixels   # and against raw pixels
   moco eval linear --train shapes/train --test shapes/val runs/shapes/checkpoint_0100.pt --epochs 200
   moco eval knn --train photos/train --test photos/val moco_v2_800ep_pretrain.pth.tar --image-size 96
                                         # official weights as they are, to compare with your run after --init
@@ -74,6 +75,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         ks=tuple(getattr(args, "k", EVAL_KS)),
         temperature=getattr(args, "temperature", KNN_TEMPERATURE),
         probe=probe,
+        pixels=getattr(args, "pixels", False),
     )
     out = write_results(doc, args.out or default_out(args.model, args.protocol))
     print(format_table(doc))
@@ -178,6 +180,13 @@ def register(sub) -> None:
     )
     knn.add_argument(
         "--temperature", type=float, default=KNN_TEMPERATURE, help=f"vote temperature T (default {KNN_TEMPERATURE})"
+    )
+    knn.add_argument(
+        "--pixels",
+        action="store_true",
+        help="also classify by plain L2 k-NN on the raw pixels of the same crops the model sees (k = 1, 5, "
+        "20) and print the model's margin over them: features that do not beat raw pixels are not worth "
+        "indexing",
     )
     knn.set_defaults(func=cmd_eval)
 

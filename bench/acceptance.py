@@ -256,12 +256,15 @@ def main() -> int:
                 str(onnx),
                 "--out",
                 str(work / "eval_knn.json"),
+                "--pixels",
             ],
             900,
             logs,
             env,
         )
-        stages["eval"]["results"] = json.loads((work / "eval_knn.json").read_text())["results"]
+        evaluated = json.loads((work / "eval_knn.json").read_text())
+        stages["eval"]["results"] = evaluated["results"]
+        stages["eval"]["over_pixels"] = evaluated.get("over_pixels")
         index = work / "index"
         shutil.rmtree(index, ignore_errors=True)
         stages["index"] = run_stage(

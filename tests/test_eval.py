@@ -267,6 +267,48 @@ def test_eval__unlabeled_or_missing_folders_are_one_line_errors(trained_run, col
     assert "no checkpoint at" in capsys.readouterr().err
 
 
+def test_eval_knn_pixels__raw_pixel_rows_the_margin_and_leave_one_out(colour_split, tmp_path, capsys):
+    """``--pixels`` adds plain L2 k-NN on the model's input crops (k = 1, 5, 20), equal to a numpy vote on the
+    PNGs themselves (32 px files at a 32 px model: the crop is the file), and the model's margin over them."""
+    ckpt = _random_init_checkpoint(tmp_path / "random.pt", "resnet18", 2)
+    train_dir, test_dir = colour_split
+    # a harder test set: the colours averaged with grey, so pixels and model can both miss
+    hard = tmp_path / "hard"
+    for path in sorted(test_dir.rglob("*.png")):
+        (hard / path.parent.name).mkdir(parents=True, exist_ok=True)
+        pixels = np.asarray(Image.open(path)).astype(np.float32)
+        Image.fromarray((0.35 * pixels + 0.65 * 128).astype(np.uint8)).save(hard / path.parent.name / path.name)
+    out = tmp_path / "knn.json"
+    common = ["--device", "cpu", "--batch-size", "16", "--k", "5", "--pixels", "--out", str(out)]
+    assert main(["eval", "knn", "--train", str(train_dir), "--test", str(hard), str(ckpt), *common]) == 0
+    printed = capsys.readouterr().out
+    doc = json.loads(out.read_text())
+    rows = {r["k"]: r for r in doc["results"] if r["metric"] == "pixel_knn_top1"}
+    assert sorted(rows) == [1, 5, 20] and all(r["distance"] == "l2" for r in rows.values())
+
+    def load(folder):
+        paths = sorted(folder.rglob("*.png"))
+        x = np.stack([np.asarray(Image.open(p), dtype=np.float64).ravel() for p in paths])
+        return x, np.array([sorted(COLOURS).index(p.parent.name) for p in paths])
+
+    (xb, yb), (xq, yq) = load(train_dir), load(hard)
+    order = ((xq[:, None, :] - xb[None, :, :]) ** 2).sum(-1).argsort(1, kind="stable")
+    for k in (1, 5, 20):
+        votes = np.stack([np.bincount(yb[row[:k]], minlength=3) for row in order])
+        assert rows[k]["top1"] == pytest.approx(float((votes.argmax(1) == yq).mean()))
+    model_best = max(r["top1"] for r in doc["results"] if r["metric"] == "knn_top1")
+    assert doc["over_pixels"]["points"] == pytest.approx(
+        100 * (model_best - max(r["top1"] for r in rows.values())), abs=0.01
+    )
+    assert "raw pixels, L2 k-NN top-1, k=20" in printed and "points against raw pixels' best" in printed
+
+    # the same folder twice: leave-one-out for the pixels too (k clipped to the other 29 images)
+    assert main(["eval", "knn", "--train", str(train_dir), "--test", str(train_dir), str(ckpt), *common]) == 0
+    doc = json.loads(out.read_text())
+    loo = {r["k"]: r for r in doc["results"] if r["metric"] == "pixel_knn_top1"}
+    assert loo[1]["top1"] == 1.0 and loo[20]["k_used"] == 20  # noisy solid colours: each one's nearest is its own
+
+
 def test_pixel_knn__l2_majority_vote_for_each_k_and_leave_one_out():
     from moco_retrieval.trainer.knn import pixel_knn_accuracy
 
@@ -279,6 +321,25 @@ def test_pixel_knn__l2_majority_vote_for_each_k_and_leave_one_out():
     }
     # leave-one-out: each point is classified by the others, never by itself
     assert pixel_knn_accuracy(train, labels, ks=(1,)) == {1: pytest.approx(5 / 6)}
+
+
+def test_pixel_knn__chunks_of_training_images_and_uint8_give_the_same_answer():
+    """The training set taken a few images at a time (a threshold crossed with 7 of 40 rows, queries 3 at a
+    time), as uint8, gives the answer of one float32 pass, with a test set and leave-one-out."""
+    from moco_retrieval.trainer.knn import pixel_knn_accuracy
+
+    gen = torch.Generator().manual_seed(0)
+    labels = torch.arange(40) % 3
+    train = (torch.rand(40, 2, 2, 3, generator=gen) * 150 + labels.view(-1, 1, 1, 1) * 40).to(torch.uint8)
+    test = (torch.rand(15, 2, 2, 3, generator=gen) * 150 + (torch.arange(15) % 3).view(-1, 1, 1, 1) * 40).to(
+        torch.uint8
+    )
+    ks = (1, 5, 20)
+    whole = pixel_knn_accuracy(train.float(), labels, test.float(), torch.arange(15) % 3, ks=ks)
+    assert pixel_knn_accuracy(train, labels, test, torch.arange(15) % 3, ks=ks, chunk=3, train_chunk=7) == whole
+    assert 0.3 < whole[5] < 1.0  # neither trivial nor hopeless: the comparison means something
+    loo = pixel_knn_accuracy(train.float(), labels, ks=ks)
+    assert pixel_knn_accuracy(train, labels, ks=ks, chunk=3, train_chunk=7) == loo
 
 
 def test_knn_monitor__pixel_baseline_separates_images_that_differ_in_their_pixels(tmp_path):

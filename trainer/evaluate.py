@@ -27,13 +27,13 @@ from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
 from moco_retrieval.contracts.atomic import output_errors, write_json_atomic
-from moco_retrieval.contracts.encoder_format import RESIZE_POLICY
+from moco_retrieval.contracts.encoder_format import RESIZE_POLICY, preprocess_image
 from moco_retrieval.contracts.errors import DataError
 from moco_retrieval.contracts.images import decode_image
 from moco_retrieval.contracts.knn import EVAL_KS, KNN_TEMPERATURE
 from moco_retrieval.trainer.eval_transform import eval_transform
 from moco_retrieval.trainer.imagefolder import scan_image_folder
-from moco_retrieval.trainer.knn import knn_predict
+from moco_retrieval.trainer.knn import PIXEL_KS, knn_predict, pixel_knn_accuracy
 
 LOG = logging.getLogger(__name__)
 
@@ -227,6 +227,49 @@ def knn_top1(
     return rows
 
 
+def load_pixels(images: LabeledImages, image_size: int) -> np.ndarray:
+    """The model's input crops of every image, as the encoder sees them before normalisation: uint8
+    ``[N, image_size, image_size, 3]`` (:func:`contracts.encoder_format.preprocess_image`).
+
+    Raises:
+        DataError: an image cannot be decoded (which one, in one line).
+    """
+    out = np.empty((len(images.paths), image_size, image_size, 3), dtype=np.uint8)
+    for i, path in enumerate(tqdm(images.paths, desc=f"pixels {images.folder.name}", unit="img", leave=False)):
+        try:
+            out[i] = preprocess_image(decode_image(path, target_size=image_size), image_size, RESIZE_POLICY)
+        except DataError as exc:
+            raise DataError(f"cannot decode {exc}; remove or replace the file") from exc
+    return out
+
+
+def pixel_baseline(
+    train: LabeledImages, test: LabeledImages, image_size: int, leave_one_out: bool, ks: tuple[int, ...] = PIXEL_KS
+) -> list[dict]:
+    """Plain L2 k-NN (majority vote) on the raw pixels of the model's input crops: what the model's features must
+    beat to be worth computing (issue 20). One row per k, like :func:`knn_top1`'s."""
+    xb = torch.from_numpy(load_pixels(train, image_size))
+    yb = torch.from_numpy(train.labels)
+    if leave_one_out:
+        accuracy = pixel_knn_accuracy(xb, yb, ks=ks)
+    else:
+        xq = torch.from_numpy(load_pixels(test, image_size))
+        accuracy = pixel_knn_accuracy(xb, yb, xq, torch.from_numpy(test.labels), ks=ks)
+    n = len(train.paths) - (1 if leave_one_out else 0)
+    return [
+        {"metric": "pixel_knn_top1", "k": k, "k_used": min(k, n), "distance": "l2", "top1": accuracy[k]} for k in ks
+    ]
+
+
+def pixel_margin(results: list[dict]) -> dict | None:
+    """The model's best k-NN top-1 against the raw pixels' best, in points, or None without both."""
+    model = [r["top1"] for r in results if r["metric"] == "knn_top1"]
+    pixels = [r["top1"] for r in results if r["metric"] == "pixel_knn_top1"]
+    if not model or not pixels:
+        return None
+    return {"model_best": max(model), "pixels_best": max(pixels), "points": round(100 * (max(model) - max(pixels)), 2)}
+
+
 @dataclass
 class LinearProbeConfig:
     """The linear probe's training: SGD with momentum and a cosine schedule on standardised frozen features."""
@@ -297,9 +340,10 @@ def evaluate(
     ks: tuple[int, ...] = EVAL_KS,
     temperature: float = KNN_TEMPERATURE,
     probe: LinearProbeConfig | None = None,
+    pixels: bool = False,
 ) -> dict:
     """Run ``protocol`` (``knn`` or ``linear``) on ``embedder`` and return the results document (see
-    :func:`write_results`)."""
+    :func:`write_results`); with ``pixels``, k-NN also on the raw pixels (:func:`pixel_baseline`)."""
     if protocol not in ("knn", "linear"):
         raise ValueError(f"unknown protocol {protocol!r}")
     train, test, classes = load_labeled_pair(train_dir, test_dir)
@@ -313,6 +357,8 @@ def evaluate(
                 "on by the others)"
             )
         results = knn_top1(xb, train.labels, xq, test.labels, len(classes), ks, temperature, leave_one_out=same)
+        if pixels:
+            results += pixel_baseline(train, test, int(embedder.image_size), leave_one_out=same)
     else:
         if same:
             LOG.warning(
@@ -320,7 +366,7 @@ def evaluate(
                 "accuracy, not a test accuracy; pass a held-out --test folder"
             )
         results = [linear_probe(xb, train.labels, xq, test.labels, len(classes), probe or LinearProbeConfig())]
-    return {
+    doc = {
         "format": EVAL_FORMAT,
         "format_version": EVAL_VERSION,
         "protocol": protocol,
@@ -335,6 +381,10 @@ def evaluate(
         "same_folder": same,
         "leave_one_out": same and protocol == "knn",
     }
+    margin = pixel_margin(results)
+    if margin is not None:
+        doc["over_pixels"] = margin
+    return doc
 
 
 def write_results(doc: dict, path: str | Path) -> Path:
@@ -354,6 +404,9 @@ def format_table(doc: dict) -> str:
         if r["metric"] == "knn_top1":
             k = f"k={r['k']}" + (f" (clipped to {r['k_used']})" if r["k_used"] != r["k"] else "")
             rows.append((f"k-NN top-1, {k}, T={r['temperature']:g}", f"{100 * r['top1']:.2f}%"))
+        elif r["metric"] == "pixel_knn_top1":
+            k = f"k={r['k']}" + (f" (clipped to {r['k_used']})" if r["k_used"] != r["k"] else "")
+            rows.append((f"raw pixels, L2 k-NN top-1, {k}", f"{100 * r['top1']:.2f}%"))
         else:
             rows.append((f"linear probe top-1 ({r['epochs']} epochs)", f"{100 * r['top1']:.2f}%"))
             rows.append(("linear probe train top-1", f"{100 * r['train_top1']:.2f}%"))
@@ -367,4 +420,11 @@ def format_table(doc: dict) -> str:
         f"{'metric':<{width}}  top-1",
     ]
     lines += [f"{name:<{width}}  {value}" for name, value in rows]
+    margin = doc.get("over_pixels")
+    if margin is not None:
+        verdict = "above" if margin["points"] > 0 else "not above"
+        lines.append(
+            f"the model's best k-NN is {margin['points']:+.2f} points against raw pixels' best: {verdict} the "
+            "baseline" + ("" if margin["points"] > 0 else "; train longer, or start from weights that see (--init)")
+        )
     return "\n".join(lines)
