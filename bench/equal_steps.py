@@ -99,7 +99,7 @@ def plot(report: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     names = list(report["datasets"])
-    fig, axes = plt.subplots(1, len(names), figsize=(4.2 * len(names), 4.2), squeeze=False)
+    fig, axes = plt.subplots(1, len(names), figsize=(max(6.5, 4.2 * len(names)), 4.6), squeeze=False)
     for ax, name in zip(axes[0], names):
         entry = report["datasets"][name]
         tags = [t for t, v in entry["variants"].items() if v["mean"] is not None]
@@ -117,11 +117,12 @@ def plot(report: dict, path: Path) -> None:
                 ax.axhline(100 * value, color="grey", linestyle=style, label=f"{text}: {100 * value:.1f}%")
         low = min(means + [100 * (base.get("pixels") or 1)]) - 8 if means else 0
         ax.set_ylim(max(0, low), None)
-        ax.set_title(f"{name} ({entry['epochs']} epochs)")
+        steps = sorted({run["steps"] for v in entry["variants"].values() for run in v["runs"].values()})
+        ax.set_title(f"{name} ({entry['epochs']} epochs, {'/'.join(map(str, steps))} steps)")
         ax.set_ylabel("k-NN top-1 (%), mean ± sd over seeds")
         ax.legend(fontsize=7)
         ax.grid(alpha=0.3, axis="y")
-    fig.suptitle("MoCo v2, ResNet-18 at 32 px, auto recipe, ~200 steps: variants at equal steps")
+    fig.suptitle("MoCo v2, ResNet-18 at 32 px, auto recipe: variants at equal steps")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -102,9 +102,10 @@ def exclusive(lock: str | None):
         yield
 
 
-def random_baselines(knn: Path, seeds: list[int], cache_root: str | None) -> dict:
+def random_baselines(knn: Path, seeds: list[int], cache_root: str | None, max_images: int = 5000) -> dict:
     """k-NN top-1 of randomly initialised backbones, per seed: ``{"random": [...], "random_bn": [...]}``, the
-    second after fitting the BatchNorm statistics to the k-NN bank's evaluation crops (weights unchanged)."""
+    second after fitting the BatchNorm statistics to the k-NN bank's evaluation crops (weights unchanged), and of
+    the raw pixels; the monitor's k-NN over at most ``max_images`` images per split."""
     import torch
     from torch.optim.swa_utils import update_bn
 
@@ -112,7 +113,7 @@ def random_baselines(knn: Path, seeds: list[int], cache_root: str | None) -> dic
     from moco_retrieval.trainer.monitor import KnnMonitor
 
     cpu = torch.device("cpu")
-    monitor = KnnMonitor(knn, IMAGE_SIZE, cache_root=cache_root)
+    monitor = KnnMonitor(knn, IMAGE_SIZE, max_images=max_images, cache_root=cache_root)
     raw, fitted = [], []
     for seed in seeds:
         torch.manual_seed(seed)
