@@ -221,6 +221,16 @@ def test_export__v3_matches_pytorch_at_batch_1_and_7(arch, shapes_dir, tmp_path)
     assert not any(part in name for name in names for part in ("encoder_k", "predictor", "projector"))
 
 
+def test_export__v2_narrow_resnet18_matches_pytorch_with_a_128_d_embedding(shapes_dir, tmp_path):
+    run = write_checkpoint(shapes_dir, tmp_path / "run", arch="resnet18_narrow", stem="small")
+    out = tmp_path / "encoder.onnx"
+    result = export_encoder(run, out)
+    assert all(c.passed for c in result.checks)
+    meta = read_encoder_metadata(out)
+    assert (meta["arch"], meta["embedding_dim"]) == ("resnet18_narrow", 128)
+    _assert_parity(out, run)
+
+
 def test_demo__exports_the_trained_encoder_next_to_the_run(v2_run, tmp_path):
     from moco_retrieval.app.demo import export_demo_encoder
 

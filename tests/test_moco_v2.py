@@ -156,3 +156,19 @@ def test_stems__the_resolution_each_leaves_at_layer4(stem, grid):
     assert backbone(x).shape == (2, dim)
     with pytest.raises(ConfigError, match="nopool"):
         build_resnet("resnet18", "tiny")
+
+
+@pytest.mark.parametrize("stem, grid", [("imagenet", 1), ("small", 4)])
+def test_narrow_resnet18__a_quarter_of_the_channels_same_layout(stem, grid):
+    backbone, dim = build_resnet("resnet18_narrow", stem, bn_splits=2)
+    wide = build_resnet("resnet18", stem)[0].state_dict()
+    narrow = backbone.state_dict()
+    assert dim == 128 and set(narrow) == set(wide)  # torchvision's keys: --init, export and the heads see a ResNet-18
+    assert narrow["conv1.weight"].shape[0] == 16 and narrow["layer4.1.conv2.weight"].shape[:2] == (128, 128)
+    assert isinstance(backbone.bn1, SplitBatchNorm2d) and isinstance(backbone.layer3[0].downsample[1], SplitBatchNorm2d)
+    params = sum(p.numel() for p in backbone.parameters())
+    assert 0.6e6 < params < 0.8e6  # 1/16 of ResNet-18's 11.2M
+    x = torch.randn(4, 3, 32, 32)
+    trunk = torch.nn.Sequential(*list(backbone.children())[:-2])
+    assert trunk(x).shape == (4, dim, grid, grid)
+    assert backbone(x).shape == (4, dim)

@@ -219,6 +219,35 @@ def test_infer_arch__vit_small_layout_and_unbuilt_resnets():
         infer_arch(fake, "r101.pth")
 
 
+def test_infer_arch__the_narrow_resnet18_by_its_first_layers_channels():
+    from moco_retrieval.trainer.backbones import build_resnet
+
+    state = build_resnet("resnet18_narrow", "small")[0].state_dict()
+    assert infer_arch(state, "x") == ("resnet18_narrow", {"stem": "small"})
+    state["conv1.weight"] = torch.zeros(32, 3, 3, 3)
+    with pytest.raises(ArtifactError, match="a resnet18 with 32 channels in its first layer, not 64"):
+        infer_arch(state, "half.pth")
+
+
+def test_our_narrow_run__is_a_source_for_training_and_export(tmp_path):
+    from moco_retrieval.trainer.checkpoint import load_checkpoint
+    from moco_retrieval.trainer.config import TrainConfig
+    from moco_retrieval.trainer.variants import build_model
+    from tests._checkpoints import write_checkpoint
+
+    run = write_checkpoint(None, tmp_path / "src", arch="resnet18_narrow", stem="small")
+    cfg = configure(_train_cfg(tmp_path, run), read_pretrained(run))
+    assert (cfg.arch, cfg.stem) == ("resnet18_narrow", "small")
+    built = backbone_from_source(run, image_size=32)
+    ckpt = load_checkpoint(run)
+    model = build_model(TrainConfig.from_dict(ckpt["config"]), bn_splits=1)
+    model.load_state_dict(ckpt["model"])
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours, query = built.backbone.eval()(x), model.encoder_q.backbone.eval()(x)
+    assert ours.shape == (2, 128) and torch.allclose(ours, query, atol=1e-5)
+
+
 # -- into a MoCo model: heads where they fit, both encoders from the backbone ------------------------------------
 def _train_cfg(tmp_path: Path, source: Path, **overrides):
     values = dict(arch="auto", init=str(source), stem="auto")

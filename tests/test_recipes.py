@@ -29,6 +29,14 @@ def test_auto_v2_on_a_cpu__real_collection_recipe():
     assert TrainConfig.from_json(cfg.to_json()) == cfg  # the reasons travel with config.json
 
 
+def test_auto_stem_on_a_cpu__small_for_the_narrow_resnet18_and_its_warning_unsaid(caplog):
+    narrow = _resolve(1600, total_steps=500, arch="resnet18_narrow")
+    assert narrow.stem == "small" and "keeps the resolution" in narrow.derived["stem"]["why"]
+    assert "costs about 9x" not in caplog.text
+    assert _resolve(1600, total_steps=500, arch="resnet18", stem="small").stem == "small"
+    assert "costs about 9x" in caplog.text  # ResNet-18's own small stem is still 9x slower, and said so
+
+
 def test_auto_v2__scales_with_data_and_run_length():
     large = _resolve(100_000, total_steps=100_000)
     assert (large.batch_size, large.momentum) == (256, pytest.approx(0.999))

@@ -17,7 +17,7 @@ from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
 from moco_retrieval.contracts.errors import ConfigError
-from moco_retrieval.trainer.config import RESNETS, STEM_KERNEL, VITS
+from moco_retrieval.trainer.config import RESNET_WIDTH, RESNETS, STEM_KERNEL, VITS
 
 
 class SplitBatchNorm2d(nn.BatchNorm2d):
@@ -64,7 +64,8 @@ def build_resnet(arch: str, stem: str = "imagenet", bn_splits: int = 1) -> tuple
     """A torchvision ResNet without its classifier, randomly initialised.
 
     Args:
-        arch: resnet18, resnet34 or resnet50.
+        arch: resnet18, resnet34, resnet50, or resnet18_narrow (ResNet-18 with a quarter of the channels:
+            16/32/64/128, a 128-d feature).
         stem: ``imagenet`` (7x7 stride-2 conv + max-pool), ``nopool`` (the same conv, no max-pool: twice the
             resolution through the trunk) or ``small`` (3x3 stride-1 conv, no max-pool) for 32-96 px inputs, as
             in the CIFAR versions of MoCo/SimCLR.
@@ -76,9 +77,12 @@ def build_resnet(arch: str, stem: str = "imagenet", bn_splits: int = 1) -> tuple
     if arch not in RESNETS:
         raise ConfigError(f"unknown ResNet {arch!r}; choose one of {', '.join(RESNETS)}")
     norm_layer = partial(SplitBatchNorm2d, num_splits=bn_splits) if bn_splits > 1 else nn.BatchNorm2d
-    model = getattr(torchvision.models, arch)(weights=None, norm_layer=norm_layer)
+    model = getattr(torchvision.models, arch.removesuffix("_narrow"))(weights=None, norm_layer=norm_layer)
+    width = RESNET_WIDTH.get(arch, 64)
+    if width != 64:
+        _set_widths(model, width)
     if stem == "small":
-        model.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
+        model.conv1 = nn.Conv2d(3, width, kernel_size=3, stride=1, padding=1, bias=False)
         model.maxpool = nn.Identity()
     elif stem == "nopool":
         model.maxpool = nn.Identity()
@@ -87,6 +91,27 @@ def build_resnet(arch: str, stem: str = "imagenet", bn_splits: int = 1) -> tuple
     feature_dim = model.fc.in_features
     model.fc = nn.Identity()
     return model, feature_dim
+
+
+def _set_widths(model: torchvision.models.ResNet, width: int) -> None:
+    """Rebuild a torchvision ResNet's stem and four stages with ``width`` channels in the first stage (doubling
+    at each later one), through torchvision's own ``_make_layer``, initialised as torchvision initialises."""
+    block = type(model.layer1[0])
+    model.inplanes = width
+    model.conv1 = nn.Conv2d(3, width, kernel_size=7, stride=2, padding=3, bias=False)
+    model.bn1 = model._norm_layer(width)
+    for stage in range(4):
+        blocks = len(getattr(model, f"layer{stage + 1}"))
+        setattr(
+            model, f"layer{stage + 1}", model._make_layer(block, width << stage, blocks, stride=1 if stage == 0 else 2)
+        )
+    model.fc = nn.Linear(model.inplanes, model.fc.out_features)
+    for m in model.modules():  # torchvision ResNet's initialisation
+        if isinstance(m, nn.Conv2d):
+            nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+        elif isinstance(m, nn.BatchNorm2d):
+            nn.init.constant_(m.weight, 1)
+            nn.init.constant_(m.bias, 0)
 
 
 def set_bn_splits(module: nn.Module, num_splits: int) -> None:

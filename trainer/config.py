@@ -22,7 +22,10 @@ from moco_retrieval.contracts.errors import ConfigError
 from moco_retrieval.contracts.knn import KNN_K, KNN_TEMPERATURE
 from moco_retrieval.contracts.options import option
 
-RESNETS = ("resnet18", "resnet34", "resnet50")
+RESNETS = ("resnet18", "resnet34", "resnet50", "resnet18_narrow")
+# Channels of the first stage where a ResNet differs from torchvision's 64 (each later stage doubles them):
+# resnet18_narrow is ResNet-18 at a quarter of the widths, for small images on CPUs with the small stem.
+RESNET_WIDTH = {"resnet18_narrow": 16}
 VITS = ("vit_tiny", "vit_small", "vit_base")
 ARCHS = RESNETS + VITS
 # The kernel of each ResNet stem's first convolution: all a weights file can tell of its stem (the max-pool
@@ -102,7 +105,9 @@ class TrainConfig:
     )
     arch: str = option(
         "auto",
-        "backbone network; resnet18 trains fastest; vit_* need --moco-version 3; auto: "
+        "backbone network; resnet18 trains fastest; resnet18_narrow is ResNet-18 at a quarter of its "
+        "channels (a 128-d feature) that keeps small images' resolution (--stem small) at about resnet18's "
+        "cost; vit_* need --moco-version 3; auto: "
         "the --init file's, else chosen for the device (see the recipe below)",
         "model",
         choices=("auto",) + ARCHS,

@@ -37,7 +37,7 @@ from torch import nn
 
 from moco_retrieval.contracts.errors import ArtifactError, ConfigError
 from moco_retrieval.trainer.checkpoint import CHECKPOINT_FORMAT, CHECKPOINT_VERSION, LAST, safe_load, strip_wrappers
-from moco_retrieval.trainer.config import RESNETS, STEM_KERNEL, VITS
+from moco_retrieval.trainer.config import RESNET_WIDTH, RESNETS, STEM_KERNEL, VITS
 
 LOG = logging.getLogger(__name__)
 
@@ -182,6 +182,15 @@ def infer_arch(state: dict, where: str) -> tuple[str, dict]:
             )
         if found not in RESNETS:
             raise ArtifactError(f"{where} holds a {found}; moco-retrieval builds {', '.join(RESNETS)}")
+        width = int(state["conv1.weight"].shape[0])
+        if width != 64:  # a narrower trunk of the same layout (trainer.config.RESNET_WIDTH)
+            narrow = [name for name, w in RESNET_WIDTH.items() if w == width and name.startswith(found + "_")]
+            if not narrow:
+                raise ArtifactError(
+                    f"{where}: a {found} with {width} channels in its first layer, not 64; "
+                    f"moco-retrieval builds {', '.join(RESNETS)}"
+                )
+            found = narrow[0]
         kernel = int(state["conv1.weight"].shape[-1])
         return found, {"stem": "imagenet" if kernel == 7 else "small" if kernel == 3 else f"{kernel}x{kernel}"}
     if "cls_token" in state and "patch_embed.proj.weight" in state and "pos_embed" in state:
