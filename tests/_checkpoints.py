@@ -33,12 +33,21 @@ def write_checkpoint(data_dir: Path | None, run_dir: Path, seed: int = 0, **over
     return write_random_init_checkpoint(cfg, run_dir, seed=seed, change=_non_trivial, epoch=3, step=42)
 
 
-def key_backbone(run_dir: Path) -> torch.nn.Module:
-    """The momentum encoder's backbone of a checkpoint (the one an export must NOT use), eval mode."""
+def _saved_model(run_dir: Path) -> torch.nn.Module:
     from moco_retrieval.trainer.checkpoint import load_checkpoint
     from moco_retrieval.trainer.config import TrainConfig
 
     ckpt = load_checkpoint(run_dir)
     model = build_model(TrainConfig.from_dict(ckpt["config"]), bn_splits=1)
     model.load_state_dict(ckpt["model"])
-    return model.encoder_k.backbone.eval()
+    return model
+
+
+def key_backbone(run_dir: Path) -> torch.nn.Module:
+    """The momentum encoder's backbone of a checkpoint (the one an export must NOT use), eval mode."""
+    return _saved_model(run_dir).encoder_k.backbone.eval()
+
+
+def query_backbone(run_dir: Path) -> torch.nn.Module:
+    """The query encoder's backbone of a checkpoint (the one export and ``--init`` use), eval mode."""
+    return _saved_model(run_dir).encoder_q.backbone.eval()

@@ -230,21 +230,15 @@ def test_infer_arch__the_narrow_resnet18_by_its_first_layers_channels():
 
 
 def test_our_narrow_run__is_a_source_for_training_and_export(tmp_path):
-    from moco_retrieval.trainer.checkpoint import load_checkpoint
-    from moco_retrieval.trainer.config import TrainConfig
-    from moco_retrieval.trainer.variants import build_model
-    from tests._checkpoints import write_checkpoint
+    from tests._checkpoints import query_backbone, write_checkpoint
 
     run = write_checkpoint(None, tmp_path / "src", arch="resnet18_narrow", stem="small")
     cfg = configure(_train_cfg(tmp_path, run), read_pretrained(run))
     assert (cfg.arch, cfg.stem) == ("resnet18_narrow", "small")
     built = backbone_from_source(run, image_size=32)
-    ckpt = load_checkpoint(run)
-    model = build_model(TrainConfig.from_dict(ckpt["config"]), bn_splits=1)
-    model.load_state_dict(ckpt["model"])
     x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        ours, query = built.backbone.eval()(x), model.encoder_q.backbone.eval()(x)
+        ours, query = built.backbone.eval()(x), query_backbone(run)(x)
     assert ours.shape == (2, 128) and torch.allclose(ours, query, atol=1e-5)
 
 

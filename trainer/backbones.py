@@ -17,7 +17,7 @@ from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
 from moco_retrieval.contracts.errors import ConfigError
-from moco_retrieval.trainer.config import RESNET_WIDTH, RESNETS, STEM_KERNEL, VITS
+from moco_retrieval.trainer.config import NARROW_RESNETS, RESNETS, STEM_KERNEL, VITS
 
 
 class SplitBatchNorm2d(nn.BatchNorm2d):
@@ -77,8 +77,8 @@ def build_resnet(arch: str, stem: str = "imagenet", bn_splits: int = 1) -> tuple
     if arch not in RESNETS:
         raise ConfigError(f"unknown ResNet {arch!r}; choose one of {', '.join(RESNETS)}")
     norm_layer = partial(SplitBatchNorm2d, num_splits=bn_splits) if bn_splits > 1 else nn.BatchNorm2d
-    model = getattr(torchvision.models, arch.removesuffix("_narrow"))(weights=None, norm_layer=norm_layer)
-    width = RESNET_WIDTH.get(arch, 64)
+    layout, width = NARROW_RESNETS.get(arch, (arch, 64))
+    model = getattr(torchvision.models, layout)(weights=None, norm_layer=norm_layer)
     if width != 64:
         _set_widths(model, width)
     if stem == "small":

@@ -23,9 +23,10 @@ from moco_retrieval.contracts.knn import KNN_K, KNN_TEMPERATURE
 from moco_retrieval.contracts.options import option
 
 RESNETS = ("resnet18", "resnet34", "resnet50", "resnet18_narrow")
-# Channels of the first stage where a ResNet differs from torchvision's 64 (each later stage doubles them):
-# resnet18_narrow is ResNet-18 at a quarter of the widths, for small images on CPUs with the small stem.
-RESNET_WIDTH = {"resnet18_narrow": 16}
+# ResNets narrower than torchvision's: name -> (the torchvision layout they keep, channels of the first stage
+# instead of 64; each later stage doubles them). resnet18_narrow is ResNet-18 at a quarter of the widths, for
+# small images on CPUs with the small stem.
+NARROW_RESNETS = {"resnet18_narrow": ("resnet18", 16)}
 VITS = ("vit_tiny", "vit_small", "vit_base")
 ARCHS = RESNETS + VITS
 # The kernel of each ResNet stem's first convolution: all a weights file can tell of its stem (the max-pool

@@ -37,7 +37,7 @@ from torch import nn
 
 from moco_retrieval.contracts.errors import ArtifactError, ConfigError
 from moco_retrieval.trainer.checkpoint import CHECKPOINT_FORMAT, CHECKPOINT_VERSION, LAST, safe_load, strip_wrappers
-from moco_retrieval.trainer.config import RESNET_WIDTH, RESNETS, STEM_KERNEL, VITS
+from moco_retrieval.trainer.config import NARROW_RESNETS, RESNETS, STEM_KERNEL, VITS
 
 LOG = logging.getLogger(__name__)
 
@@ -183,8 +183,8 @@ def infer_arch(state: dict, where: str) -> tuple[str, dict]:
         if found not in RESNETS:
             raise ArtifactError(f"{where} holds a {found}; moco-retrieval builds {', '.join(RESNETS)}")
         width = int(state["conv1.weight"].shape[0])
-        if width != 64:  # a narrower trunk of the same layout (trainer.config.RESNET_WIDTH)
-            narrow = [name for name, w in RESNET_WIDTH.items() if w == width and name.startswith(found + "_")]
+        if width != 64:  # a narrower trunk of the same layout
+            narrow = [name for name, shape in NARROW_RESNETS.items() if shape == (found, width)]
             if not narrow:
                 raise ArtifactError(
                     f"{where}: a {found} with {width} channels in its first layer, not 64; "

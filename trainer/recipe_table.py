@@ -17,7 +17,7 @@ import textwrap
 from dataclasses import dataclass
 from typing import Callable
 
-from moco_retrieval.trainer.config import RESNET_WIDTH
+from moco_retrieval.trainer.config import NARROW_RESNETS
 
 # -- the papers' values (Chen et al. 2020 for v2; Chen, Xie and He 2021 for v3) -------------------------------------
 # ``warmup`` is a fraction of the run (10 of 100 epochs is 0.1); lr is per 256 images (x batch/256).
@@ -320,12 +320,12 @@ BEFORE_TRAINING: tuple[Rule, ...] = (
     Rule(
         "stem",
         "cpu",
-        lambda s: "small" if s.cfg.arch in RESNET_WIDTH and s.cfg.image_size <= 96 else "imagenet",
+        lambda s: "small" if s.cfg.arch in NARROW_RESNETS and s.cfg.image_size <= 96 else "imagenet",
         lambda s: (
             f"{s.cfg.image_size} px images: the ImageNet stem"
             if s.cfg.image_size > 96
             else f"{s.cfg.arch} keeps the resolution at about ResNet-18's cost with the ImageNet stem"
-            if s.cfg.arch in RESNET_WIDTH
+            if s.cfg.arch in NARROW_RESNETS
             else f"on a CPU the small stem costs {SMALL_STEM_COST}; pass --stem small to keep the resolution"
         ),
         "on a CPU: ImageNet (the small stem costs about 9x); small for resnet18_narrow at 96 px and below",

@@ -20,7 +20,7 @@ import logging
 import math
 
 from moco_retrieval.contracts.errors import ConfigError, DataError
-from moco_retrieval.trainer.config import RESNET_WIDTH, VITS, TrainConfig, left_to_recipe
+from moco_retrieval.trainer.config import NARROW_RESNETS, VITS, TrainConfig, left_to_recipe
 from moco_retrieval.trainer.image_survey import ImageSurvey
 from moco_retrieval.trainer.recipe_table import (
     AUTO_TAU_FRACTION,
@@ -145,7 +145,7 @@ def resolve_before_training(
         )
     if cfg.arch.startswith("resnet"):
         cfg = _fill(cfg, ("stem",), *context)
-        if cfg.resolved_stem == "small" and not on_gpu and cfg.arch not in RESNET_WIDTH:  # (narrow: made for it)
+        if cfg.resolved_stem == "small" and not on_gpu and cfg.arch not in NARROW_RESNETS:  # (narrow: made for it)
             LOG.warning(
                 "the small ResNet stem costs %s on 2 CPU cores; pass --stem imagenet for a run 9x faster",
                 SMALL_STEM_COST,
