@@ -2,6 +2,8 @@
 
 - ``compute``: the real optimizer step (:func:`trainer.train.train_step`: forward of both encoders, loss,
   backward, optimizer) on two fixed batches of views already on the device: the ceiling.
+- ``phases`` (``--data DIR --phases``): the end-to-end step split into waiting for the batch, the copy to the
+  device, the augmentations and the optimizer step, each timed with the device synchronised.
 - ``end-to-end`` (``--data DIR``): a real image folder through the real run: the image cache, the loader, the
   batched augmentations on the device and the same step (:func:`trainer.train.setup` and
   :func:`trainer.train.run_epoch`), with the monitor and checkpoints off. The cache is built (or found)
@@ -36,6 +38,7 @@ from bench.machine import machine  # noqa: E402
 from moco_retrieval.trainer.config import VITS, TrainConfig  # noqa: E402
 from moco_retrieval.trainer.device import cpu_has_native_bf16, resolve_device  # noqa: E402
 from moco_retrieval.trainer.recipes import resolve_before_training, resolve_schedule  # noqa: E402
+from moco_retrieval.trainer.data import epoch_sampler  # noqa: E402
 from moco_retrieval.trainer.train import run_epoch, setup, train_step  # noqa: E402
 from moco_retrieval.trainer.variants import variant_for  # noqa: E402
 
@@ -51,9 +54,8 @@ def compute_only(cfg: TrainConfig, steps: int, warmup: int) -> dict:
         torch.backends.cudnn.benchmark = True
         torch.cuda.reset_peak_memory_stats(device)
     layout = variant.memory_format
-    model = variant.build_model(cfg, variant.bn_splits(cfg.bn_splits, cfg.batch_size, 1)).to(
-        device, memory_format=layout
-    )
+    bn_splits = variant.bn_splits(cfg.bn_splits, cfg.batch_size, 1)
+    model = variant.build_model(cfg, bn_splits).to(device, memory_format=layout)
     if cfg.compile:
         model.encoder_q.compile()
         model.encoder_k.compile()
@@ -68,7 +70,7 @@ def compute_only(cfg: TrainConfig, steps: int, warmup: int) -> dict:
         train_step(model, optimizer, x1, x2, 1e-3, 0.99, bool(cfg.amp))
     _sync(device)
     elapsed = time.perf_counter() - tic
-    return _row("compute", cfg, device, steps, elapsed, optimizer)
+    return _row("compute", cfg, device, steps, elapsed, optimizer) | {"bn_splits": bn_splits}
 
 
 def end_to_end(cfg: TrainConfig, steps: int, warmup: int) -> dict:
@@ -91,8 +93,50 @@ def end_to_end(cfg: TrainConfig, steps: int, warmup: int) -> dict:
         _sync(device)
         elapsed = time.perf_counter() - tic
         row = _row("end-to-end", p.cfg, device, steps, elapsed, t.optimizer)
-        row.update(images=len(t.paths), loader_workers=t.loader.num_workers, data_dir=str(cfg.data_dir))
+        row.update(
+            images=len(t.paths),
+            loader_workers=t.loader.num_workers,
+            data_dir=str(cfg.data_dir),
+            bn_splits=t.variant.bn_splits(cfg.bn_splits, cfg.batch_size, 1),
+        )
         return row
+
+
+def phases(cfg: TrainConfig, steps: int, warmup: int) -> dict:
+    """Where an end-to-end step's time goes: the same loop as :func:`trainer.train.run_epoch` with the device
+    synchronised after each phase (waiting for the loader's batch, the copy to the device, the two augmented
+    views, the optimizer step), in ms per step. The synchronisations cost a little overlap, so the phases add up
+    to slightly more than an unsynchronised step."""
+    device = resolve_device(cfg.device)
+    times = {"batch_wait": [], "to_device": [], "augment": [], "step": []}
+    with tempfile.TemporaryDirectory() as run_dir:
+        t, p = setup(cfg.replace(out_dir=run_dir, knn_every=0, save_every_steps=0, log_every=10**9), device)
+        done, last = 0, 0.0
+        while done < max(1, warmup) + steps:
+            epoch_sampler(t.loader).set_epoch(p.epoch)
+            for pixels, sizes, _, _ in t.loader:
+                _sync(device)
+                t0 = time.perf_counter()
+                pixels, sizes = pixels.to(t.device, non_blocking=True), sizes.to(t.device)
+                _sync(device)
+                t1 = time.perf_counter()
+                x1, x2 = t.augment(pixels, sizes, t.generator)
+                _sync(device)
+                t2 = time.perf_counter()
+                train_step(t.ddp_model, t.optimizer, x1, x2, 1e-3, 0.99, t.amp)
+                _sync(device)
+                t3 = time.perf_counter()
+                if done >= max(1, warmup):  # the first batch starts the loader's workers: never timed
+                    for name, seconds in zip(times, (t0 - last, t1 - t0, t2 - t1, t3 - t2)):
+                        times[name].append(seconds)
+                last, done = t3, done + 1
+                if done >= max(1, warmup) + steps:
+                    break
+            p.epoch += 1
+    ms = {name: 1000 * sum(v) / len(v) for name, v in times.items()}
+    row = _row("phases", p.cfg, device, steps, sum(ms.values()) * steps / 1000, t.optimizer)
+    row.update({f"{name}_ms": round(v, 2) for name, v in ms.items()}, images=len(t.paths))
+    return row
 
 
 def _sync(device: torch.device) -> None:
@@ -156,6 +200,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--queue-size", type=int, default=4096)
     p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--bn-splits", type=int, default=0, help="v2: split-BN groups (0 = auto, as moco train)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--amp", choices=("off", "on", "both"), default="both", help="bf16 autocast")
     p.add_argument("--compile", action="store_true")
@@ -165,6 +210,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         default=0,
         help="GPU: double --batch-size up to this while a step fits in memory, then measure the largest",
     )
+    p.add_argument("--phases", action="store_true", help="with --data: also time each phase of an end-to-end step")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeat", type=int, default=1, help="alternate the modes this many times (median reported)")
@@ -194,6 +240,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                         amp=amp,
                         compile=args.compile,
                         workers=args.workers,
+                        bn_splits=args.bn_splits,
                         knn_every=0,
                     )
                     if args.max_batch:
@@ -207,6 +254,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                         runs["compute"].append(compute_only(cfg, args.steps, args.warmup))
                         if args.data:
                             runs["end-to-end"].append(end_to_end(cfg, args.steps, args.warmup))
+                        if args.data and args.phases:
+                            runs.setdefault("phases", []).append(phases(cfg, args.steps, args.warmup))
                     for mode, rows in runs.items():
                         if not rows:
                             continue

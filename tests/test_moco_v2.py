@@ -88,19 +88,35 @@ def test_batch_shuffle__unshuffle_is_identity_on_outputs():
     torch.testing.assert_close(batch_unshuffle(outputs, idx_unshuffle), x * 2 + 1)
 
 
-def test_split_bn__normalises_each_group_separately_and_is_plain_bn_in_eval():
+def test_split_bn__normalises_each_block_of_the_batch_separately_and_is_plain_bn_in_eval():
     torch.manual_seed(0)
     bn = SplitBatchNorm2d(3, num_splits=2)
     x = torch.randn(8, 3, 4, 4)
-    x[0::2] += 5.0  # group 0 (even samples) has a different mean from group 1
+    x[:4] += 5.0  # group 0 (the first half of the batch) has a different mean from group 1
     out = bn(x)
     for g in range(2):
-        group = out[g::2]
+        group = out[4 * g : 4 * (g + 1)]
         torch.testing.assert_close(group.mean(dim=(0, 2, 3)), torch.zeros(3), atol=1e-5, rtol=0)
     plain = torch.nn.BatchNorm2d(3)
     plain.load_state_dict(bn.state_dict())
     bn.eval(), plain.eval()
     torch.testing.assert_close(bn(x), plain(x))
+
+
+def test_split_bn__equals_one_plain_bn_per_block_in_both_layouts_and_keeps_channels_last():
+    torch.manual_seed(0)
+    x = torch.randn(12, 5, 6, 6) * 3 + 1
+    blocks = [torch.nn.BatchNorm2d(5) for _ in range(3)]
+    expected = torch.cat([bn(part) for bn, part in zip(blocks, x.split(4))])
+    for layout in (torch.contiguous_format, torch.channels_last):
+        split = SplitBatchNorm2d(5, num_splits=3)
+        out = split(x.contiguous(memory_format=layout).requires_grad_())
+        assert out.is_contiguous(memory_format=layout)
+        torch.testing.assert_close(out, expected)
+        torch.testing.assert_close(split.running_mean, torch.stack([bn.running_mean for bn in blocks]).mean(0))
+        torch.testing.assert_close(split.running_var, torch.stack([bn.running_var for bn in blocks]).mean(0))
+        assert int(split.num_batches_tracked) == 1
+        out.square().sum().backward()  # gradients flow through every block
 
 
 def test_forward__returns_finite_loss_and_enqueues_keys():

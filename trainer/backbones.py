@@ -27,7 +27,11 @@ class SplitBatchNorm2d(nn.BatchNorm2d):
     encoder, a query and its positive key are normalised with statistics of different sub-batches, so BN
     cannot leak which key is the positive. In eval mode (and with one split) it is a plain BatchNorm2d, and
     its state dict is BatchNorm2d's, so exported and evaluated models see ordinary BN.
-    Sample ``n`` of the batch falls in group ``n % num_splits``.
+
+    The groups are consecutive blocks of the batch (sample ``n`` falls in group ``n // (N / num_splits)``), so
+    each is a contiguous slice in any memory layout and goes through the same fused batch-norm kernel as plain
+    BN. (Grouping by ``n % num_splits`` as one ``[N/g, g*C, H, W]`` batch is a free view only of an NCHW tensor:
+    of a channels-last one it copied each activation out of and back into channels-last at every BN layer.)
     """
 
     def __init__(self, num_features: int, num_splits: int = 1, **kwargs):
@@ -37,25 +41,20 @@ class SplitBatchNorm2d(nn.BatchNorm2d):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.num_splits == 1:
             return super().forward(x)
-        n, c, h, w = x.shape
-        g = self.num_splits
+        n, g = x.shape[0], self.num_splits
         if n % g:
             raise ValueError(f"batch of {n} is not divisible into {g} BN splits")
-        mean_split = self.running_mean.repeat(g)
-        var_split = self.running_var.repeat(g)
-        out = F.batch_norm(
-            x.reshape(n // g, c * g, h, w),
-            mean_split,
-            var_split,
-            self.weight.repeat(g),
-            self.bias.repeat(g),
-            True,
-            self.momentum,
-            self.eps,
-        ).reshape(n, c, h, w)
+        means = self.running_mean.repeat(g, 1)  # [g, C]: each group updates its own copy of the running statistics
+        variances = self.running_var.repeat(g, 1)
+        out = torch.cat(
+            [
+                F.batch_norm(part, means[i], variances[i], self.weight, self.bias, True, self.momentum, self.eps)
+                for i, part in enumerate(x.split(n // g))
+            ]
+        )
         with torch.no_grad():  # keep one set of running statistics: the mean over the groups
-            self.running_mean.copy_(mean_split.view(g, c).mean(0))
-            self.running_var.copy_(var_split.view(g, c).mean(0))
+            self.running_mean.copy_(means.mean(0))
+            self.running_var.copy_(variances.mean(0))
             self.num_batches_tracked.add_(1)
         return out
 
