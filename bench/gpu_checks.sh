@@ -21,10 +21,10 @@ LOG=$OUT/gpu_checks.log
 DEADLINE=${DEADLINE:-540}
 ROOT=$PWD
 if [ "${QUICK:-0}" = 1 ]; then
-  SIZE=32; B1=16; B2=32; B3=64; V1=16; V2=32; PER_CLASS=8; DATA_SIZE=40
+  B1=16; B2=32; B3=64; V1=16; V2=32; PER_CLASS=8; DATA_SIZE=40
   COMMON="--image-size 32 --steps 1 --warmup 1 --device cpu --amp on"; WORKERS=2
 else
-  SIZE=224; B1=512; B2=1024; B3=2048; V1=512; V2=1024; PER_CLASS=1000; DATA_SIZE=256
+  B1=512; B2=1024; B3=2048; V1=512; V2=1024; PER_CLASS=1000; DATA_SIZE=256
   COMMON="--image-size 224 --steps 10 --warmup 3 --device cuda --amp on"; WORKERS=12
 fi
 

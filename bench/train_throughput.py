@@ -36,9 +36,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.machine import machine  # noqa: E402
 from moco_retrieval.trainer.config import VITS, TrainConfig  # noqa: E402
+from moco_retrieval.trainer.data import epoch_sampler  # noqa: E402
 from moco_retrieval.trainer.device import cpu_has_native_bf16, resolve_device  # noqa: E402
 from moco_retrieval.trainer.recipes import resolve_before_training, resolve_schedule  # noqa: E402
-from moco_retrieval.trainer.data import epoch_sampler  # noqa: E402
 from moco_retrieval.trainer.train import run_epoch, setup, train_step  # noqa: E402
 from moco_retrieval.trainer.variants import variant_for  # noqa: E402
 
@@ -54,8 +54,7 @@ def compute_only(cfg: TrainConfig, steps: int, warmup: int) -> dict:
         torch.backends.cudnn.benchmark = True
         torch.cuda.reset_peak_memory_stats(device)
     layout = variant.memory_format
-    bn_splits = variant.bn_splits(cfg.bn_splits, cfg.batch_size, 1)
-    model = variant.build_model(cfg, bn_splits).to(device, memory_format=layout)
+    model = variant.build_model(cfg, _bn_splits(cfg)).to(device, memory_format=layout)
     if cfg.compile:
         model.encoder_q.compile()
         model.encoder_k.compile()
@@ -70,14 +69,14 @@ def compute_only(cfg: TrainConfig, steps: int, warmup: int) -> dict:
         train_step(model, optimizer, x1, x2, 1e-3, 0.99, bool(cfg.amp))
     _sync(device)
     elapsed = time.perf_counter() - tic
-    return _row("compute", cfg, device, steps, elapsed, optimizer) | {"bn_splits": bn_splits}
+    return _row("compute", cfg, device, steps, elapsed, optimizer)
 
 
 def end_to_end(cfg: TrainConfig, steps: int, warmup: int) -> dict:
     """images/s of the real loop (cache -> loader -> batched augmentation -> step) on ``cfg.data_dir``."""
     device = resolve_device(cfg.device)
     with tempfile.TemporaryDirectory() as run_dir:
-        t, p = setup(cfg.replace(out_dir=run_dir, knn_every=0, save_every_steps=0, log_every=10**9), device)
+        t, p = _setup_quiet(cfg, run_dir, device)
 
         def advance(n: int) -> None:
             target = p.step + n
@@ -93,12 +92,7 @@ def end_to_end(cfg: TrainConfig, steps: int, warmup: int) -> dict:
         _sync(device)
         elapsed = time.perf_counter() - tic
         row = _row("end-to-end", p.cfg, device, steps, elapsed, t.optimizer)
-        row.update(
-            images=len(t.paths),
-            loader_workers=t.loader.num_workers,
-            data_dir=str(cfg.data_dir),
-            bn_splits=t.variant.bn_splits(cfg.bn_splits, cfg.batch_size, 1),
-        )
+        row.update(images=len(t.paths), loader_workers=t.loader.num_workers, data_dir=str(cfg.data_dir))
         return row
 
 
@@ -110,7 +104,7 @@ def phases(cfg: TrainConfig, steps: int, warmup: int) -> dict:
     device = resolve_device(cfg.device)
     times = {"batch_wait": [], "to_device": [], "augment": [], "step": []}
     with tempfile.TemporaryDirectory() as run_dir:
-        t, p = setup(cfg.replace(out_dir=run_dir, knn_every=0, save_every_steps=0, log_every=10**9), device)
+        t, p = _setup_quiet(cfg, run_dir, device)
         done, last = 0, 0.0
         while done < max(1, warmup) + steps:
             epoch_sampler(t.loader).set_epoch(p.epoch)
@@ -139,6 +133,16 @@ def phases(cfg: TrainConfig, steps: int, warmup: int) -> dict:
     return row
 
 
+def _setup_quiet(cfg: TrainConfig, run_dir: str, device: torch.device):
+    """:func:`trainer.train.setup` of ``cfg`` in ``run_dir`` with the monitor, checkpoints and step log off."""
+    return setup(cfg.replace(out_dir=run_dir, knn_every=0, save_every_steps=0, log_every=10**9), device)
+
+
+def _bn_splits(cfg: TrainConfig) -> int:
+    """The split-BN groups of one process training ``cfg``, as :func:`trainer.train.setup` picks them."""
+    return variant_for(cfg).bn_splits(cfg.bn_splits, cfg.batch_size, 1)
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -163,6 +167,7 @@ def _row(mode: str, cfg: TrainConfig, device: torch.device, steps: int, elapsed:
         "images_per_s": steps * cfg.batch_size / elapsed,
         "peak_gpu_memory_gib": peak,
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "bn_splits": _bn_splits(cfg),
     }
 
 
