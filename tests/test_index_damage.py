@@ -21,6 +21,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -445,13 +446,13 @@ def _unshare_prefix() -> list[str] | None:
     touching the machine's mounts), or None where this machine does not allow it."""
     if shutil.which("unshare") is None:
         return None
-    prefix = ["unshare", "--mount"] + ([] if os.geteuid() == 0 else ["--map-root-user"])
-    probe = subprocess.run(
-        prefix
-        + ["sh", "-c", "mount -t tmpfs -o size=64k tmpfs /mnt 2>/dev/null || mount -t tmpfs -o size=64k tmpfs /tmp"],
-        capture_output=True,
-        timeout=30,
-    )
+    # private propagation said, not left to unshare's default: no mount made inside may reach the machine's
+    # own; and the probe mounts over an empty folder of its own, never over /tmp or /mnt
+    prefix = ["unshare", "--mount", "--propagation", "private"] + ([] if os.geteuid() == 0 else ["--map-root-user"])
+    with tempfile.TemporaryDirectory(prefix="moco-unshare-probe-") as target:
+        probe = subprocess.run(
+            prefix + ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", target], capture_output=True, timeout=30
+        )
     return prefix if probe.returncode == 0 else None
 
 
