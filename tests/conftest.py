@@ -18,8 +18,8 @@ os.environ["MOCO_CACHE_DIR"] = tempfile.mkdtemp(prefix="moco-test-cache-")
 atexit.register(shutil.rmtree, os.environ["MOCO_CACHE_DIR"], True)
 
 
-# The most the suite holds on disk at once (its temporary folders and image caches), with margin: measured at
-# 2.1 GB on a full clean-clone run with pyproject's tmp_path_retention_policy = "failed" (see README, Tests).
+# The most the suite holds on disk at once (its temporary folders and image caches), with margin: 2.8 GB at its
+# peak in a full clean-clone run with pyproject's tmp_path_retention_policy = "failed" (12 GB kept without it).
 SUITE_DISK_NEED_GB = 4.0
 
 
