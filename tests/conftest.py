@@ -20,7 +20,7 @@ atexit.register(shutil.rmtree, os.environ["MOCO_CACHE_DIR"], True)
 
 # The most the suite holds on disk at once (its temporary folders and image caches), with margin: 2.8 GB at its
 # peak in a full clean-clone run with pyproject's tmp_path_retention_policy = "failed" (12 GB kept without it).
-SUITE_DISK_NEED_GB = 4.0
+SUITE_DISK_NEED_GB = 3.0
 
 
 def pytest_sessionstart(session) -> None:
