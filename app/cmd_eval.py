@@ -105,7 +105,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
         "model",
         metavar="MODEL",
         help="run directory, checkpoint (.pt), exported encoder (.onnx), or a weights file moco train "
-        "--init reads (torchvision, timm, facebookresearch/moco or moco-v3) to evaluate",
+        "--init reads (torchvision, timm, facebookresearch/moco or moco-v3) to evaluate; a run or checkpoint "
+        "gives the backbone's features as they are, an .onnx file what you will index (whitened by default)",
     )
     p.add_argument(
         "--arch", default=None, help="for a weights file: the architecture you expect (checked against the file)"

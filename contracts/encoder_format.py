@@ -10,6 +10,8 @@ transposes to NCHW itself. Output :data:`OUTPUT_NAME`, float32 ``[N, D]``, L2-no
 ``embedding_dim``); provenance keys (``run_id``, ``checkpoint_epoch`` ...) may follow. An encoder exported
 straight from weights (``moco export --init``) also names them: ``init_source`` (the file's name),
 ``init_sha256`` and ``init_layout``; its ``moco_version`` is 0 when MoCo did not train them (torchvision, timm).
+``whitening`` says whether the graph PCA-whitens its features before the final normalization and on how many
+images that was fitted (``pca 128 of 512 dims, 10000 images``; ``none (...)`` with why); older files lack it.
 :func:`encode_metadata` and :func:`decode_metadata` are each other's inverse; :func:`validate_metadata` is the
 one check a reader runs.
 
@@ -72,6 +74,7 @@ SUMMARY_KEYS = (
     "embedding_dim",
     "resize",
     "precision",
+    "whitening",
     "run_id",
     "format_version",
     "init_source",

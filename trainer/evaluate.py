@@ -78,17 +78,55 @@ def load_labeled_pair(train_dir: str | Path, test_dir: str | Path) -> tuple[Labe
 
 
 class _Images(Dataset):
-    def __init__(self, paths: list[str], transform):
-        self.paths, self.transform = paths, transform
+    """Image files through ``transform``; an unreadable one raises, or with ``skip_unreadable`` gives None."""
+
+    def __init__(self, paths: list, transform, skip_unreadable: bool = False):
+        self.paths, self.transform, self.skip_unreadable = paths, transform, skip_unreadable
 
     def __len__(self) -> int:
         return len(self.paths)
 
-    def __getitem__(self, i: int) -> torch.Tensor:
+    def __getitem__(self, i: int) -> torch.Tensor | None:
         try:
             return self.transform(decode_image(self.paths[i]))
         except DataError as exc:
+            if self.skip_unreadable:
+                return None
             raise DataError(f"cannot decode {exc}; remove or replace the file") from exc
+
+
+def _stack_readable(batch: list) -> torch.Tensor | None:
+    readable = [x for x in batch if x is not None]
+    return torch.stack(readable) if readable else None
+
+
+@torch.no_grad()
+def embed_files(
+    backbone: nn.Module,
+    paths: list,
+    image_size: int,
+    device: torch.device | str = "cpu",
+    batch_size: int = 256,
+    workers: int = 0,
+    skip_unreadable: bool = False,
+) -> torch.Tensor:
+    """L2-normalised features of image files through the evaluation transform: ``[N, D]`` float32 on the CPU,
+    in ``paths`` order (``backbone`` in eval mode on ``device``).
+
+    Args:
+        skip_unreadable: leave out files that do not decode (N is then the readable count) instead of raising.
+
+    Raises:
+        DataError: a file does not decode (without ``skip_unreadable``), naming it.
+    """
+    loader = DataLoader(
+        _Images(paths, eval_transform(image_size), skip_unreadable),
+        batch_size=batch_size,
+        num_workers=workers,
+        collate_fn=_stack_readable,
+    )
+    feats = [F.normalize(backbone(x.to(device)).float(), dim=1).cpu() for x in loader if x is not None]
+    return torch.cat(feats) if feats else torch.zeros(0, 0)
 
 
 # ---- embedders ---------------------------------------------------------------------------------------------
@@ -151,11 +189,9 @@ class CheckpointEmbedder:
     @torch.no_grad()
     def embed_images(self, paths: list[str]) -> np.ndarray:
         """L2-normalised backbone features of image files: ``[N, D]`` float32, in ``paths`` order."""
-        loader = DataLoader(
-            _Images(paths, eval_transform(self.image_size)), batch_size=self.batch_size, num_workers=self.workers
-        )
-        feats = [F.normalize(self.backbone(x.to(self.device)).float(), dim=1).cpu() for x in loader]
-        return torch.cat(feats).numpy() if feats else np.zeros((0, self.embedding_dim), dtype=np.float32)
+        if not paths:
+            return np.zeros((0, self.embedding_dim), dtype=np.float32)
+        return embed_files(self.backbone, paths, self.image_size, self.device, self.batch_size, self.workers).numpy()
 
 
 def describe_embedder(embedder) -> dict:

@@ -50,6 +50,7 @@ from moco_retrieval.contracts.errors import (
     OutputError,
 )
 from moco_retrieval.contracts.images import check_image, decode_image, iter_image_files
+from moco_retrieval.trainer.whitening import fit_for_export
 
 if TYPE_CHECKING:
     from moco_retrieval.trainer.config import TrainConfig
@@ -112,10 +113,11 @@ class EncoderGraph(nn.Module):
     input scaling and the L2 normalization stay in float32.
     """
 
-    def __init__(self, backbone: nn.Module, half: bool = False):
+    def __init__(self, backbone: nn.Module, half: bool = False, whitening: nn.Module | None = None):
         super().__init__()
         self.backbone = backbone
         self.half = half
+        self.whitening = whitening  # trainer.whitening.PcaWhitening, applied in float32 even with ``half``
         self.register_buffer("mean", torch.tensor(IMAGENET_MEAN, dtype=torch.float32).view(1, 3, 1, 1))
         self.register_buffer("std", torch.tensor(IMAGENET_STD, dtype=torch.float32).view(1, 3, 1, 1))
 
@@ -125,6 +127,8 @@ class EncoderGraph(nn.Module):
         if self.half:
             x = x.to(torch.float16)
         features = self.backbone(x).to(torch.float32)  # NxD
+        if self.whitening is not None:
+            features = self.whitening(features)  # NxD'
         return F.normalize(features, dim=1)
 
 
@@ -223,14 +227,18 @@ def verification_images(
 
 
 @torch.no_grad()
-def reference_embeddings(backbone: nn.Module, images: np.ndarray) -> np.ndarray:
+def reference_embeddings(backbone: nn.Module, images: np.ndarray, whitening: nn.Module | None = None) -> np.ndarray:
     """PyTorch float32 embeddings of uint8 ``[N, H, W, 3]`` images: torchvision's ``ToDtype(scale=True)`` and
-    ``Normalize`` (the tail of ``eval_transform``), the backbone, L2 normalization -> ``[N, D]``."""
+    ``Normalize`` (the tail of ``eval_transform``), the backbone, the whitening if any, L2 normalization ->
+    ``[N, D]``."""
     from torchvision.transforms import v2 as T
 
     to_input = T.Compose([T.ToDtype(torch.float32, scale=True), T.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
     x = to_input(torch.from_numpy(images).permute(0, 3, 1, 2).contiguous())
-    return F.normalize(backbone(x), dim=1).numpy()
+    features = backbone(x)
+    if whitening is not None:
+        features = whitening(features)
+    return F.normalize(features, dim=1).numpy()
 
 
 def compare(onnx_out: np.ndarray, torch_out: np.ndarray, tolerance: ParityTolerance) -> ParityCheck:
@@ -243,13 +251,20 @@ def compare(onnx_out: np.ndarray, torch_out: np.ndarray, tolerance: ParityTolera
     return ParityCheck(batch_size=a.shape[0], max_abs=max_abs, min_cosine=min_cosine, passed=bool(ok))
 
 
-def verify_onnx(path: Path, backbone: nn.Module, images: np.ndarray, tolerance: ParityTolerance) -> list[ParityCheck]:
+def verify_onnx(
+    path: Path,
+    backbone: nn.Module,
+    images: np.ndarray,
+    tolerance: ParityTolerance,
+    whitening: nn.Module | None = None,
+) -> list[ParityCheck]:
     """Run the file on ONNX Runtime (CPU) at batch sizes 1 and ``len(images)`` against ``backbone`` in PyTorch.
 
     Args:
         path: the ONNX file to check.
         backbone: the float32 PyTorch backbone it was exported from (eval mode).
         images: uint8 ``[N, H, W, 3]``.
+        whitening: the whitening baked into the file, if any.
 
     Returns:
         one :class:`ParityCheck` per batch size.
@@ -263,7 +278,7 @@ def verify_onnx(path: Path, backbone: nn.Module, images: np.ndarray, tolerance: 
         session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
     except Exception as exc:  # onnxruntime's Fail / InvalidGraph / NotImplemented
         raise ExportError(f"ONNX Runtime cannot load the exported graph: {exc}".splitlines()[0]) from exc
-    reference = reference_embeddings(backbone, images)
+    reference = reference_embeddings(backbone, images, whitening)
     checks = []
     for n in sorted({1, len(images)}):
         (out,) = session.run([OUTPUT_NAME], {INPUT_NAME: images[:n]})
@@ -300,10 +315,12 @@ def _metadata(
     dim: int,
     fp16: bool,
     opset: int,
+    whitening: str,
     init: dict | None = None,
 ) -> dict[str, str]:
-    """The encoder file's ``metadata_props`` (:mod:`contracts.encoder_format`); ``init``: the source of a
-    ``moco export --init`` (``init_source``, ``init_sha256``, ``init_layout``)."""
+    """The encoder file's ``metadata_props`` (:mod:`contracts.encoder_format`); ``whitening``: what
+    :func:`trainer.whitening.fit_for_export` did, in one line; ``init``: the source of a ``moco export --init``
+    (``init_source``, ``init_sha256``, ``init_layout``)."""
     values = {
         "format": ENCODER_FORMAT,
         "format_version": ENCODER_FORMAT_VERSION,
@@ -317,6 +334,7 @@ def _metadata(
         "input": f"{INPUT_NAME}: uint8 [N, {image_size}, {image_size}, 3] RGB",
         "output": f"{OUTPUT_NAME}: float32 [N, {dim}] L2-normalized",
         "precision": "fp16" if fp16 else "fp32",
+        "whitening": whitening,
         "run_id": run_id,
         "checkpoint_epoch": epoch,
         "checkpoint_step": step,
@@ -328,8 +346,16 @@ def _metadata(
     return encode_metadata(values)
 
 
-def build_onnx(backbone: nn.Module, image_size: int, metadata: dict[str, str], fp16: bool, opset: int):
-    """Trace :class:`EncoderGraph` around ``backbone`` into an ``onnx.ModelProto`` carrying ``metadata``.
+def build_onnx(
+    backbone: nn.Module,
+    image_size: int,
+    metadata: dict[str, str],
+    fp16: bool,
+    opset: int,
+    whitening: nn.Module | None = None,
+):
+    """Trace :class:`EncoderGraph` around ``backbone`` (and ``whitening``) into an ``onnx.ModelProto`` carrying
+    ``metadata``.
 
     Raises:
         ExportError: the exporter or the ONNX checker failed.
@@ -338,7 +364,7 @@ def build_onnx(backbone: nn.Module, image_size: int, metadata: dict[str, str], f
 
     import onnx
 
-    graph = EncoderGraph(copy.deepcopy(backbone).half() if fp16 else backbone, half=fp16).eval()
+    graph = EncoderGraph(copy.deepcopy(backbone).half() if fp16 else backbone, half=fp16, whitening=whitening).eval()
     example = torch.zeros(2, image_size, image_size, 3, dtype=torch.uint8)  # 2, so nothing specialises on N=1
     buffer = io.BytesIO()
     try:
@@ -381,6 +407,8 @@ def export_encoder(
     opset: int | None = None,
     verify: bool = True,
     tolerance: ParityTolerance | None = None,
+    whiten: str | int = "auto",
+    data_dir: str | None = None,
 ) -> ExportResult:
     """Export a checkpoint's query backbone to ``out`` as an encoder ONNX file, verified against PyTorch.
 
@@ -391,13 +419,17 @@ def export_encoder(
         opset: ONNX opset version, ``MIN_OPSET``-``MAX_OPSET`` (None: ``DEFAULT_OPSET``).
         verify: compare ONNX Runtime with PyTorch before publishing the file.
         tolerance: parity limits; default :data:`FP32_TOLERANCE` or :data:`FP16_TOLERANCE`.
+        whiten: ``auto`` (PCA whitening fitted on the data folder's images, :mod:`trainer.whitening`), ``off``,
+            or the number of whitened dimensions to keep.
+        data_dir: the images to fit the whitening on and verify with (default: the run's own data folder).
 
     Returns:
         :class:`ExportResult` with the checks' figures.
 
     Raises:
-        ConfigError: opset out of range. OutputError: ``out`` not writable.
+        ConfigError: opset out of range, a bad ``whiten``. OutputError: ``out`` not writable.
         ArtifactError: checkpoint missing, unreadable or foreign.
+        DataError: ``whiten`` is a number and the data folder cannot provide enough images.
         ExportError: export failed or the check found a mismatch (no file is left at ``out``).
     """
     tic = time.perf_counter()
@@ -405,7 +437,9 @@ def export_encoder(
     out = Path(out)
     _check_output(out)
     backbone, cfg, ckpt = load_backbone(checkpoint)
-    dim = embedding_dim(backbone, cfg.image_size)
+    data_dir = data_dir or cfg.data_dir
+    whitening, whitened = fit_for_export(backbone, cfg.image_size, data_dir, whiten, workers=min(cfg.workers, 2))
+    dim = whitening.out_dim if whitening is not None else embedding_dim(backbone, cfg.image_size)
     metadata = _metadata(
         cfg.arch,
         cfg.moco_version,
@@ -416,8 +450,9 @@ def export_encoder(
         dim,
         fp16,
         opset,
+        whitened,
     )
-    return _publish(backbone, cfg.image_size, metadata, out, fp16, opset, verify, tolerance, cfg.data_dir, tic)
+    return _publish(backbone, whitening, cfg.image_size, metadata, out, fp16, opset, verify, tolerance, data_dir, tic)
 
 
 def export_pretrained(
@@ -430,6 +465,7 @@ def export_pretrained(
     verify: bool = True,
     tolerance: ParityTolerance | None = None,
     data_dir: str | None = None,
+    whiten: str | int = "auto",
 ) -> ExportResult:
     """Export the backbone of a weights file (``moco export --init SOURCE``: torchvision, timm, MoCo v1/v2/v3
     or a moco-retrieval run, :mod:`trainer.pretrained`) without training, verified like every export. Its
@@ -439,7 +475,8 @@ def export_pretrained(
         source: the weights file (or run directory).
         arch: checked against the file's architecture when given.
         image_size: the encoder's input size (default: the weights' own; 224 for ResNets of other code).
-        data_dir: a folder of images for the verification (default: generated ones).
+        data_dir: a folder of images to fit the whitening on and verify with (default: none, so no whitening
+            under ``auto``, and generated images for the verification).
         others: as :func:`export_encoder`.
 
     Raises:
@@ -453,7 +490,8 @@ def export_pretrained(
     _check_output(out)
     built = backbone_from_source(source, arch, image_size)
     pre = built.pretrained
-    dim = embedding_dim(built.backbone, built.image_size)
+    whitening, whitened = fit_for_export(built.backbone.eval(), built.image_size, data_dir, whiten)
+    dim = whitening.out_dim if whitening is not None else embedding_dim(built.backbone, built.image_size)
     metadata = _metadata(
         pre.arch,
         pre.moco_version,
@@ -464,9 +502,12 @@ def export_pretrained(
         dim,
         fp16,
         opset,
+        whitened,
         init={"init_source": pre.name, "init_sha256": pre.sha256, "init_layout": pre.layout},
     )
-    return _publish(built.backbone, built.image_size, metadata, out, fp16, opset, verify, tolerance, data_dir, tic)
+    return _publish(
+        built.backbone, whitening, built.image_size, metadata, out, fp16, opset, verify, tolerance, data_dir, tic
+    )
 
 
 def _check_opset(opset: int | None) -> int:
@@ -478,6 +519,7 @@ def _check_opset(opset: int | None) -> int:
 
 def _publish(
     backbone: nn.Module,
+    whitening: nn.Module | None,
     image_size: int,
     metadata: dict[str, str],
     out: Path,
@@ -497,7 +539,7 @@ def _publish(
         opset,
         metadata["precision"],
     )
-    model = build_onnx(backbone, image_size, metadata, fp16, opset)
+    model = build_onnx(backbone, image_size, metadata, fp16, opset, whitening)
 
     import onnx
 
@@ -511,7 +553,7 @@ def _publish(
         if verify:
             images, result.image_source = verification_images(data_dir, image_size)
             LOG.info("checking ONNX Runtime against PyTorch on %s", result.image_source)
-            result.checks = verify_onnx(tmp, backbone, images, tolerance)
+            result.checks = verify_onnx(tmp, backbone, images, tolerance, whitening)
             for check in result.checks:
                 LOG.debug("parity %s", check.describe(tolerance))
             if not all(c.passed for c in result.checks):
