@@ -58,7 +58,9 @@ def plot(doc: dict, png: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for i, row in enumerate(doc["rows"]):
         color = f"C{i}"
-        label = row["model"] if row["model"].startswith("random_bn:") else Path(row["model"]).parent.name or row["model"]
+        label = (
+            row["model"] if row["model"].startswith("random_bn:") else Path(row["model"]).parent.name or row["model"]
+        )
         dims = sorted(row["whitened"], key=int)
         ax.plot([int(d) for d in dims], [100 * row["whitened"][d] for d in dims], "o-", color=color, label=label)
         ax.axhline(100 * row["plain"], color=color, linestyle="--", linewidth=1)
@@ -108,7 +110,14 @@ def main() -> None:
             found = knn_top1(b.numpy(), train.labels, q.numpy(), test.labels, len(classes), ks=(args.k,))
             return round(found[0]["top1"], 4)
 
-        row = {"model": model, "image_size": size, "train": n, "test": len(xq), "feature_dim": dim, "plain": top1(xb, xq)}
+        row = {
+            "model": model,
+            "image_size": size,
+            "train": n,
+            "test": len(xq),
+            "feature_dim": dim,
+            "plain": top1(xb, xq),
+        }
         row["whitened"] = {}
         for dims in sorted({min(dim, n // r) for r in RATIOS if n // r >= 1}):
             whitening = fit_pca_whitening(xb, dims)
