@@ -161,7 +161,8 @@ def fit_for_export(
         min_images: fewest readable images to fit on (default :data:`WHITEN_MIN_IMAGES`).
 
     Returns:
-        ``(whitening or None, what was done in one line)``.
+        ``(whitening or None, what was done in one line)``; the line goes into the encoder's metadata, so it
+        names no path (the log does).
 
     Raises:
         ConfigError: a bad ``setting``, or more directions than the data can estimate.
@@ -177,7 +178,8 @@ def fit_for_export(
     if not data_dir or not Path(data_dir).is_dir():
         if explicit:
             raise DataError(f"--whiten {setting} needs the images to fit it on, and {data_dir} is not a folder")
-        return None, f"none (the data folder {data_dir} is not available)"
+        LOG.warning("not whitening: the data folder %s is not available (give --data DIR)", data_dir)
+        return None, "none (the data folder is not available)"
     sample = sample_images(data_dir, max_images)
     LOG.info("fitting PCA whitening on %d of %d images of %s", len(sample.paths), sample.found, data_dir)
     features = embed_files(backbone, sample.paths, image_size, workers=workers, skip_unreadable=True)
@@ -188,7 +190,8 @@ def fit_for_export(
                 f"--whiten {setting}: only {n} readable images in {data_dir}; it needs more than {setting} "
                 f"(and at least {min_images})"
             )
-        return None, f"none (only {n} readable images in {data_dir}, fewer than {min_images})"
+        LOG.warning("not whitening: only %d readable images in %s, fewer than %d", n, data_dir, min_images)
+        return None, f"none (only {n} readable images, fewer than {min_images})"
     dim = whitening_dim(n, features.shape[1], None if setting == "auto" else setting)
     whitening = fit_pca_whitening(features, dim)
     return whitening, whitening.describe()
