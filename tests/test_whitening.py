@@ -123,6 +123,8 @@ def test_fit_for_export__off_missing_data_and_impossible_requests(run_and_data, 
         fit_for_export(backbone, cfg.image_size, tmp_path / "gone", 16)
     with pytest.raises(DataError, match="only 120 readable images"):
         fit_for_export(backbone, cfg.image_size, data, 200, min_images=50)
+    with pytest.raises(ConfigError, match="512-d"):  # checked before the folder is even looked at
+        fit_for_export(backbone, cfg.image_size, tmp_path / "gone", 513)
 
 
 def test_export__whitened_file_matches_pytorch_and_says_so(run_and_data, tmp_path, monkeypatch):

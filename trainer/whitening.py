@@ -71,11 +71,15 @@ def whitening_dim(images: int, feature_dim: int, requested: int | None = None) -
     """
     if requested is None:
         return max(1, min(feature_dim, images // SAMPLES_PER_DIM))
-    if not 1 <= requested <= feature_dim:
-        raise ConfigError(f"--whiten {requested}: the encoder's features are {feature_dim}-d; give 1-{feature_dim}")
+    _check_within_features(requested, feature_dim)
     if requested >= images:
         raise ConfigError(f"--whiten {requested}: {images} images estimate at most {images - 1} directions")
     return requested
+
+
+def _check_within_features(requested: int, feature_dim: int) -> None:
+    if not 1 <= requested <= feature_dim:
+        raise ConfigError(f"--whiten {requested}: the encoder's features are {feature_dim}-d; give 1-{feature_dim}")
 
 
 def fit_pca_whitening(features: torch.Tensor, dim: int) -> PcaWhitening:
@@ -169,12 +173,15 @@ def fit_for_export(
         DataError: a number was asked for and ``data_dir`` is missing or has too few readable images.
     """
     from moco_retrieval.trainer.evaluate import embed_files
+    from moco_retrieval.trainer.export import embedding_dim
 
     setting = parse_whiten(setting)
     min_images = WHITEN_MIN_IMAGES if min_images is None else min_images
     if setting == "off":
         return None, "none (--whiten off)"
     explicit = setting != "auto"
+    if explicit:  # a D the features cannot hold fails before any image is read, not after embedding thousands
+        _check_within_features(setting, embedding_dim(backbone, image_size))
     if not data_dir or not Path(data_dir).is_dir():
         if explicit:
             raise DataError(f"--whiten {setting} needs the images to fit it on, and {data_dir} is not a folder")
