@@ -60,8 +60,9 @@ RECIPES: dict[str, list[str]] = {
 
 
 def read_curve(metrics: Path) -> dict:
-    """``{"knn": [[minutes, acc], ...], "steps": [[minutes, step], ...]}`` from a run's ``metrics.jsonl``."""
-    knn, steps = [], []
+    """``{"knn": [[minutes, acc], ...], "knn_whitened": [...], "steps": [[minutes, step], ...]}`` from a run's
+    ``metrics.jsonl`` (``knn_whitened``: the monitor's k-NN of the features PCA-whitened as the export does)."""
+    knn, whitened, steps = [], [], []
     if metrics.exists():
         for line in metrics.read_text().splitlines():
             try:
@@ -71,9 +72,11 @@ def read_curve(metrics: Path) -> dict:
             minutes = (row.get("elapsed_s") or 0.0) / 60
             if row.get("kind") == "epoch" and row.get("knn_acc") is not None:
                 knn.append([round(minutes, 4), row["knn_acc"]])
+            if row.get("kind") == "epoch" and row.get("knn_acc_whitened") is not None:
+                whitened.append([round(minutes, 4), row["knn_acc_whitened"]])
             if row.get("kind") == "step":
                 steps.append([round(minutes, 4), row["step"]])
-    return {"knn": knn, "steps": steps}
+    return {"knn": knn, "knn_whitened": whitened, "steps": steps}
 
 
 def dataset_folders(spec: str, work: Path) -> tuple[str, Path, Path]:
@@ -103,9 +106,10 @@ def exclusive(lock: str | None):
 
 
 def random_baselines(knn: Path, seeds: list[int], cache_root: str | None, max_images: int = 5000) -> dict:
-    """k-NN top-1 of randomly initialised backbones, per seed: ``{"random": [...], "random_bn": [...]}``, the
-    second after fitting the BatchNorm statistics to the k-NN bank's evaluation crops (weights unchanged), and of
-    the raw pixels; the monitor's k-NN over at most ``max_images`` images per split."""
+    """k-NN top-1 of randomly initialised backbones, per seed: ``{"random": [...], "random_bn": [...],
+    "random_bn_whitened": [...]}``, the second after fitting the BatchNorm statistics to the k-NN bank's
+    evaluation crops (weights unchanged), the third those features PCA-whitened as the monitor whitens a trained
+    backbone's, and of the raw pixels; the monitor's k-NN over at most ``max_images`` images per split."""
     import torch
     from torch.optim.swa_utils import update_bn
 
@@ -114,16 +118,25 @@ def random_baselines(knn: Path, seeds: list[int], cache_root: str | None, max_im
 
     cpu = torch.device("cpu")
     monitor = KnnMonitor(knn, IMAGE_SIZE, max_images=max_images, cache_root=cache_root)
-    raw, fitted = [], []
+    raw, fitted, fitted_whitened = [], [], []
     for seed in seeds:
         torch.manual_seed(seed)
         backbone, _ = build_resnet(ARCH, "imagenet")
         raw.append(monitor.evaluate(backbone, cpu))
         with torch.no_grad():  # a batch of one has no batch statistics
             update_bn((x for x in monitor.inputs(monitor.splits[0], cpu) if len(x) > 1), backbone)
-        fitted.append(monitor.evaluate(backbone, cpu))
+        score = monitor.scores(backbone, cpu)
+        fitted.append(score.plain)
+        fitted_whitened.append(score.whitened)
     pixels = monitor.pixel_accuracy()
-    return {"seeds": seeds, "random": raw, "random_bn": fitted, "pixels": max(pixels.values()), "pixels_by_k": pixels}
+    return {
+        "seeds": seeds,
+        "random": raw,
+        "random_bn": fitted,
+        "random_bn_whitened": fitted_whitened,
+        "pixels": max(pixels.values()),
+        "pixels_by_k": pixels,
+    }
 
 
 def run_one(
@@ -160,14 +173,18 @@ def run_one(
 
 
 def summarize(runs: list[dict]) -> dict:
-    """Mean and spread over seeds of the first and last k-NN points of one recipe's runs."""
+    """Mean and spread over seeds of the first and last k-NN points of one recipe's runs (and of the last
+    whitened point)."""
     import statistics
 
     ends = [r["knn"][-1][1] for r in runs if r["knn"]]
     starts = [r["knn"][0][1] for r in runs if r["knn"]]
     steps = [r["steps"][-1][1] for r in runs if r["steps"]]
     spread = statistics.stdev(ends) if len(ends) > 1 else 0.0
+    whitened = [r["knn_whitened"][-1][1] for r in runs if r.get("knn_whitened")]
     return {
+        "final_whitened_mean": statistics.fmean(whitened) if whitened else None,
+        "final_whitened_sd": statistics.stdev(whitened) if len(whitened) > 1 else 0.0,
         "final_mean": statistics.fmean(ends) if ends else None,
         "final_sd": spread,
         "initial_mean": statistics.fmean(starts) if starts else None,
@@ -210,14 +227,32 @@ def plot(report: dict, path: Path) -> None:
                         alpha=0.9 if j == 0 else 0.5,
                         label=label if j == 0 else None,
                     )
+                if res.get("knn_whitened"):  # the same evaluations, whitened as the export does
+                    minutes, accs = zip(*res["knn_whitened"])
+                    mean = summary.get("final_whitened_mean")
+                    text = f"{recipe}, whitened: {100 * mean:.1f} %" if mean is not None else f"{recipe}, whitened"
+                    ax.plot(
+                        minutes,
+                        [100 * a for a in accs],
+                        marker="s",
+                        markersize=2,
+                        color=colour[recipe],
+                        linestyle=":",
+                        alpha=0.9 if j == 0 else 0.5,
+                        label=text if j == 0 else None,
+                    )
         base = entry.get("baselines") or {}
         for key, style, text in (
             ("random", ":", "random init"),
             ("random_bn", "-.", "random init, BN fitted"),
+            ("random_bn_whitened", (0, (1, 3)), "random init, BN fitted, whitened"),
             ("pixels", "--", "raw pixels, L2, best k of 1/5/20"),
         ):
             if base.get(key):
                 values = base[key] if isinstance(base[key], list) else [base[key]]
+                values = [v for v in values if v is not None]  # a bank too small to whiten
+                if not values:
+                    continue
                 mean = 100 * sum(values) / len(values)
                 ax.axhline(mean, color="grey", linestyle=style, linewidth=1.2, label=f"{text}: {mean:.1f} %")
         ax.set_title(f"{name} ({entry['images']} training images)")

@@ -136,6 +136,7 @@ def test_train__writes_run_directory_artifacts(shapes_dir, tmp_path):
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     epochs = [r for r in rows if r["kind"] == "epoch"]
     assert [r["epoch"] for r in epochs] == [0, 1, 2] and all(0 <= r["knn_acc"] <= 1 for r in epochs)
+    assert all(r["knn_acc_whitened"] is None for r in epochs)  # 96 bank images: too few to fit a whitening
     assert len([r for r in rows if r["kind"] == "step"]) == 2 * (96 // 16)
     ckpt = load_checkpoint(run)
     assert ckpt["epoch"] == 2 and ckpt["step"] == 12 and "queue" in ckpt["model"] and "optimizer" in ckpt

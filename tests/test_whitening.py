@@ -154,3 +154,51 @@ def test_cli__whiten_off_and_a_bad_value(run_and_data, tmp_path, capsys):
     assert main(["export", str(run), "--out", str(tmp_path / "b.onnx"), "--whiten", "many"]) == 2
     assert "--whiten must be auto, off" in capsys.readouterr().err
     assert not (tmp_path / "b.onnx").exists()
+
+
+def _split_folder(root: Path) -> Path:
+    from moco_retrieval.trainer.demo_data import write_demo_dataset
+
+    write_demo_dataset(root / "train", per_class=12, size=32, seed=0)
+    write_demo_dataset(root / "val", per_class=4, size=32, seed=1)
+    return root
+
+
+def test_knn_monitor__whitened_score_is_knn_of_a_whitening_fitted_on_the_bank(tmp_path):
+    from moco_retrieval.trainer.backbones import build_resnet
+    from moco_retrieval.trainer.knn import knn_accuracy
+    from moco_retrieval.trainer.monitor import KnnMonitor
+
+    monitor = KnnMonitor(_split_folder(tmp_path / "data"), 32, cache_root=tmp_path / "cache", whiten_min_images=8)
+    torch.manual_seed(0)
+    backbone, _ = build_resnet("resnet18", "imagenet")
+    cpu = torch.device("cpu")
+    score = monitor.scores(backbone, cpu)
+    assert backbone.training  # the monitor puts the backbone back in the mode it found it in
+    backbone.eval()
+    bank, queries = (monitor.features(backbone, s, cpu) for s in monitor.splits)
+    whitening = fit_pca_whitening(bank, len(bank) // SAMPLES_PER_DIM)  # fitted on the bank only, labels unused
+    expected = knn_accuracy(
+        torch.nn.functional.normalize(whitening(bank), dim=1),
+        monitor.splits[0].labels,
+        torch.nn.functional.normalize(whitening(queries), dim=1),
+        monitor.splits[1].labels,
+        k=monitor.k,
+        temperature=monitor.temperature,
+    )
+    assert score.whitened == pytest.approx(expected)
+    assert score.plain == pytest.approx(monitor.evaluate(backbone, cpu))
+
+
+def test_knn_monitor__no_whitened_score_below_the_minimum_bank(tmp_path):
+    from moco_retrieval.trainer.backbones import build_resnet
+    from moco_retrieval.trainer.monitor import KnnMonitor
+
+    data, cache = _split_folder(tmp_path / "data"), tmp_path / "cache"
+    backbone, _ = build_resnet("resnet18", "imagenet")
+    cpu = torch.device("cpu")
+    bank = len(KnnMonitor(data, 32, cache_root=cache).splits[0].labels)
+    below = KnnMonitor(data, 32, cache_root=cache, whiten_min_images=bank + 1).scores(backbone, cpu)
+    at = KnnMonitor(data, 32, cache_root=cache, whiten_min_images=bank).scores(backbone, cpu)
+    assert below.whitened is None and 0 <= below.plain <= 1
+    assert at.whitened is not None and 0 <= at.whitened <= 1 and at.plain == below.plain

@@ -7,6 +7,11 @@ Images come from the image cache (:mod:`trainer.image_cache`), so an evaluation 
 evaluation crop (the export's resize policy: shorter side to the model size, centre square) is cut from its
 cached copy and resized bilinearly, in batches. ``moco eval`` and serving decode the files themselves; the
 two agree up to resampling.
+
+Each evaluation reports two figures from one pass over the images: the backbone's features as they are, and the
+same features PCA-whitened (:mod:`trainer.whitening`), fitted without labels on the memory bank's features of
+that evaluation, as ``moco export`` does by default on the run's images. The second is what an exported encoder
+scores; on Fashion-MNIST it is 4 points above the first (``docs/ARCHITECTURE.md``).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from moco_retrieval.trainer.data import CachedBatchDataset, eval_batches
 from moco_retrieval.trainer.image_cache import ImageCache, cache_side
 from moco_retrieval.trainer.image_survey import evenly_spread
 from moco_retrieval.trainer.knn import knn_accuracy, pixel_knn_accuracy
+from moco_retrieval.trainer.whitening import WHITEN_MIN_IMAGES, fit_pca_whitening, whitening_dim
 
 LOG = logging.getLogger(__name__)
 
@@ -41,6 +47,14 @@ def eval_crop_boxes(sizes: torch.Tensor, image_size: int) -> torch.Tensor:
         left, top = int(round((new_w - image_size) / 2.0)), int(round((new_h - image_size) / 2.0))
         boxes.append([left / new_w, top / new_h, (left + image_size) / new_w, (top + image_size) / new_h])
     return torch.tensor(boxes, dtype=torch.float32).view(-1, 4)
+
+
+@dataclass(frozen=True)
+class KnnScore:
+    """One evaluation's k-NN top-1 accuracies in [0, 1]."""
+
+    plain: float  # the backbone's L2-normalised features
+    whitened: float | None  # PCA-whitened as `moco export` does; None when the bank is too small to fit it
 
 
 @dataclass
@@ -75,6 +89,7 @@ class KnnMonitor:
         batch_size: images per forward pass.
         cache_root: where the image cache lives (None: the default).
         workers: processes decoding images into the cache the first time.
+        whiten_min_images: fewest memory-bank images to fit the whitening on (below it, no whitened score).
     """
 
     def __init__(
@@ -87,6 +102,7 @@ class KnnMonitor:
         batch_size: int = 256,
         cache_root=None,
         workers: int = 0,
+        whiten_min_images: int = WHITEN_MIN_IMAGES,
     ):
         folder = Path(folder)
         split = next((folder / name for name in ("val", "test") if (folder / name).is_dir()), None)
@@ -102,7 +118,7 @@ class KnnMonitor:
             for cached, labels in parts
         ]
         self.folder, self.image_size, self.k, self.temperature = folder, image_size, k, temperature
-        self.batch_size = batch_size
+        self.batch_size, self.whiten_min_images = batch_size, whiten_min_images
 
     def __len__(self) -> int:
         return sum(len(s.labels) for s in self.splits)
@@ -131,13 +147,32 @@ class KnnMonitor:
         return pixel_knn_accuracy(xs[0], self.splits[0].labels, xs[1], self.splits[1].labels)
 
     def evaluate(self, backbone: nn.Module, device: torch.device) -> float:
-        """Top-1 accuracy in [0, 1] of weighted k-NN on the backbone's features."""
+        """Top-1 accuracy in [0, 1] of weighted k-NN on the backbone's features as they are."""
+        return self.scores(backbone, device).plain
+
+    def scores(self, backbone: nn.Module, device: torch.device) -> KnnScore:
+        """Weighted k-NN top-1 of the backbone's features, plain and PCA-whitened (one embedding pass).
+
+        The whitening is fitted on the memory bank's features (the ``train/`` split, or the whole folder when
+        evaluating leave-one-out), keeping :func:`trainer.whitening.whitening_dim` directions, labels unused.
+        """
         was_training = backbone.training
         backbone.eval()
         try:
             xs = [self.features(backbone, split, device) for split in self.splits]
         finally:
             backbone.train(was_training)
+        plain = self._accuracy(xs)
+        bank = xs[0]
+        if len(bank) < max(2, self.whiten_min_images):
+            return KnnScore(plain, None)
+        whitening = fit_pca_whitening(bank, whitening_dim(len(bank), bank.shape[1]))
+        with torch.no_grad():
+            whitened = [F.normalize(whitening(x), dim=1) for x in xs]
+        return KnnScore(plain, self._accuracy(whitened))
+
+    def _accuracy(self, xs: list[torch.Tensor]) -> float:
+        """Top-1 of weighted k-NN on per-split features ``[N_i, D]`` (L2-normalised)."""
         if len(xs) == 1:
             return knn_accuracy(xs[0], self.splits[0].labels, k=self.k, temperature=self.temperature)
         return knn_accuracy(

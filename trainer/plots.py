@@ -16,7 +16,8 @@ def read_metrics(path: str | Path) -> list[dict]:
 
 
 def plot_metrics(metrics_path: str | Path, out_png: str | Path) -> Path:
-    """Draw loss (left axis, by step) and k-NN top-1 accuracy (right axis, by epoch) into ``out_png``."""
+    """Draw loss (left axis, by step) and k-NN top-1 accuracy, plain and whitened (right axis, by epoch), into
+    ``out_png``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -24,7 +25,9 @@ def plot_metrics(metrics_path: str | Path, out_png: str | Path) -> Path:
 
     rows = read_metrics(metrics_path)
     steps = [(r["step"], r["loss"]) for r in rows if r.get("kind") == "step"]
-    knn = [(r["step"], 100 * r["knn_acc"]) for r in rows if r.get("kind") == "epoch" and r.get("knn_acc") is not None]
+    epochs = [r for r in rows if r.get("kind") == "epoch"]
+    knn = [(r["step"], 100 * r["knn_acc"]) for r in epochs if r.get("knn_acc") is not None]
+    whitened = [(r["step"], 100 * r["knn_acc_whitened"]) for r in epochs if r.get("knn_acc_whitened") is not None]
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
     if steps:
         ax.plot(*zip(*steps), color="tab:blue", label="loss")
@@ -33,6 +36,9 @@ def plot_metrics(metrics_path: str | Path, out_png: str | Path) -> Path:
     if knn:
         ax2 = ax.twinx()
         ax2.plot(*zip(*knn), "o-", color="tab:orange", label="k-NN top-1")
+        if whitened:
+            ax2.plot(*zip(*whitened), "s--", color="tab:red", label="k-NN top-1, whitened (as exported)")
+        ax2.legend(loc="lower right")
         ax2.set_ylabel("k-NN top-1 accuracy (%)", color="tab:orange")
     ax.set_title("MoCo training")
     ax.grid(alpha=0.3)

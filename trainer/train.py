@@ -83,6 +83,7 @@ class TrainResult:
     knn_before: float | None = None  # k-NN top-1 at random initialisation (when the monitor ran at step 0)
     stopped_by: str = "epochs"  # epochs, stop-at-epoch, time budget, steps
     init: str | None = None  # the --init weights the run started from (knn_before is theirs, not random init)
+    knn_whitened: float | None = None  # the last k-NN top-1 with the features PCA-whitened, as `moco export` does
 
 
 @dataclass(frozen=True)
@@ -691,25 +692,40 @@ def _end_step(t: Trainee, p: Progress, stop_at_epoch: int | None) -> tuple[int, 
     return p.cfg.epochs * t.steps_per_epoch, "epochs"
 
 
+def _whitened_text(score) -> str:
+    """`` (whitened 87.37%)`` for a log line, or nothing when the monitor could not fit a whitening."""
+    return f" (whitened {100 * score.whitened:.2f}%)" if score.whitened is not None else ""
+
+
 def run(t: Trainee, p: Progress, stop_at_epoch: int | None = None) -> TrainResult:
     """Train until the schedule, ``stop_at_epoch`` or the time budget ends; evaluate, log and checkpoint."""
     cfg = p.cfg
     end_step, reason = _end_step(t, p, stop_at_epoch)
-    loss_value, knn_acc, knn_before = None, None, None
+    loss_value, knn_acc, knn_before, knn_whitened = None, None, None, None
     if t.monitor is not None and p.step == 0 and end_step > 0:
         tic = time.perf_counter()
-        knn_before = knn_acc = t.monitor.evaluate(t.model.backbone, t.device)
+        score = t.monitor.scores(t.model.backbone, t.device)
+        knn_before = knn_acc = score.plain
+        knn_whitened = score.whitened
         p.eval_seconds = time.perf_counter() - tic
         LOG.info(
-            "k-NN top-1 before training (%s): %.2f%% (%d images from %s)",
+            "k-NN top-1 before training (%s): %.2f%%%s (%d images from %s)",
             f"--init {cfg.init}" if cfg.init else "random init",
             100 * knn_acc,
+            _whitened_text(score),
             len(t.monitor),
             t.monitor.folder,
         )
         _append_jsonl(
             t.run_dir / METRICS,
-            {"kind": "epoch", "epoch": 0, "step": 0, "knn_acc": knn_acc, "elapsed_s": _elapsed(t, p)},
+            {
+                "kind": "epoch",
+                "epoch": 0,
+                "step": 0,
+                "knn_acc": knn_acc,
+                "knn_acc_whitened": knn_whitened,
+                "elapsed_s": _elapsed(t, p),
+            },
         )
     stopped = None
     start_step = p.saved_step = p.step
@@ -735,11 +751,12 @@ def run(t: Trainee, p: Progress, stop_at_epoch: int | None = None) -> TrainResul
             for part in dist.gather_objects(dict(p.skipped)):
                 p.skipped.update(part)
             finished = stopped is not None or p.step >= end_step
-            knn_acc = None
+            knn_acc = knn_whitened = score = None
             knn_every = p.cfg.knn_every  # None until a budgeted run has planned its length
             if t.monitor is not None and (finished or (complete and knn_every and p.epoch % knn_every == 0)):
                 t_eval = time.perf_counter()
-                knn_acc = t.monitor.evaluate(t.model.backbone, t.device)
+                score = t.monitor.scores(t.model.backbone, t.device)
+                knn_acc, knn_whitened = score.plain, score.whitened
                 p.eval_seconds = time.perf_counter() - t_eval
             if t.is_main:
                 row = {
@@ -751,11 +768,12 @@ def run(t: Trainee, p: Progress, stop_at_epoch: int | None = None) -> TrainResul
                     "epoch_time_s": stats["seconds"],
                     "images_per_s": stats["seen"] / max(1e-9, stats["seconds"]),
                     "knn_acc": knn_acc,
+                    "knn_acc_whitened": knn_whitened,
                     "elapsed_s": _elapsed(t, p),
                 }
                 _append_jsonl(t.run_dir / METRICS, row)
                 _write_skipped(t.run_dir / SKIPPED, p.skipped)
-                knn_text = f", k-NN top-1 {100 * knn_acc:.2f}%" if knn_acc is not None else ""
+                knn_text = f", k-NN top-1 {100 * knn_acc:.2f}%{_whitened_text(score)}" if score is not None else ""
                 LOG.info(
                     "epoch %s: loss %.4f, %.0f images/s%s", row["epoch"], loss_value, row["images_per_s"], knn_text
                 )
@@ -793,6 +811,7 @@ def run(t: Trainee, p: Progress, stop_at_epoch: int | None = None) -> TrainResul
         knn_before,
         stopped,
         p.cfg.init,
+        knn_whitened,
     )
 
 
