@@ -62,6 +62,17 @@ def test_auto_v3__lr_warmup_and_temperature():
     assert vit.lr == pytest.approx(3e-3) and vit.weight_decay == 0.1
 
 
+def test_save_every__every_10_epochs_and_about_10_kept_in_longer_runs():
+    steps = 1600 // 256  # 6 per epoch
+    assert _resolve(1600, total_steps=100 * steps).save_every == 10  # 100 epochs: 10 kept, as always
+    assert _resolve(1600, total_steps=101 * steps).save_every == 11  # past 100 epochs the interval grows
+    long = _resolve(1600, total_steps=755 * steps)  # the icons' 30 minutes: 76 checkpoints of 138 MB kept before
+    assert long.save_every == 76 and "about 10 numbered checkpoints" in long.derived["save_every"]["why"]
+    assert TrainConfig.from_json(long.to_json()) == long
+    mine = _resolve(1600, total_steps=755 * steps, save_every=5)
+    assert mine.save_every == 5 and "save_every" not in mine.derived
+
+
 def test_paper__takes_the_published_values():
     v2 = _resolve(200_000, recipe="paper")
     assert (v2.batch_size, v2.lr, v2.queue_size, v2.momentum, v2.temperature) == (256, 0.03, 65536, 0.999, 0.2)

@@ -78,6 +78,7 @@ def test_train__tiny_budget_stops_on_time_with_a_checkpoint(shapes_dir, tmp_path
     assert ckpt["schedule"]["total_steps"] > 0  # planned from the measured speed
     assert ckpt["schedule"]["spent_seconds"] < 6 + 4  # on time: one step, the final evaluation and save after it
     assert "epochs" in ckpt["config"]["derived"] and ckpt["config"]["time_budget"] == "6s"
+    assert ckpt["config"]["save_every"] == 10 and "save_every" in ckpt["config"]["derived"]  # set with the plan
 
 
 def test_train__interrupted_budget_run_continues_to_the_same_plan(shapes_dir, tmp_path):

@@ -285,6 +285,17 @@ def test_train__ctrl_c_between_epochs_keeps_the_finished_epoch(shapes_dir, tmp_p
     assert ckpt["epoch"] == 1 and ckpt["batch_in_epoch"] == 0 and ckpt["step"] == 12
 
 
+def test_train__numbered_checkpoints_thin_out_past_the_kept_count(shapes_dir, tmp_path, monkeypatch):
+    import moco_retrieval.trainer.recipes as recipes
+
+    monkeypatch.setattr(recipes, "SAVE_EVERY_EPOCHS", 1)  # lowered: every epoch, ...
+    monkeypatch.setattr(recipes, "KEPT_CHECKPOINTS", 2)  # ... but only about 2 per run
+    run = tmp_path / "run"
+    train(tiny_train_config(shapes_dir, run, epochs=4, batch_size=32, queue_size=64))
+    assert sorted(p.name for p in run.glob("checkpoint_0*.pt")) == ["checkpoint_0002.pt", "checkpoint_0004.pt"]
+    assert json.loads((run / "config.json").read_text())["save_every"] == 2
+
+
 def test_train__save_every_steps_writes_mid_epoch_checkpoints(shapes_dir, tmp_path):
     result = train(
         tiny_train_config(shapes_dir, tmp_path / "run", epochs=2, batch_size=8, queue_size=16, save_every_steps=5),

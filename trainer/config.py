@@ -244,7 +244,12 @@ class TrainConfig:
         "running",
         metavar="DIR",
     )
-    save_every: int = option(10, "keep a numbered checkpoint every N epochs", "running")
+    save_every: int | None = option(
+        None,
+        "keep a numbered checkpoint every N epochs (default: every 10, or fewer so that a run keeps about "
+        "10: each is a full checkpoint, 138 MB for ResNet-18)",
+        "running",
+    )
     save_every_steps: int = option(
         0,
         "also save checkpoint_last.pt every N steps inside an epoch, so a killed run "
@@ -346,7 +351,7 @@ class TrainConfig:
             )
         if self.device != "auto" and self.device != "cpu" and not self.device.startswith("cuda"):
             raise ConfigError(f"unknown --device {self.device!r}; use auto, cpu, cuda or cuda:N")
-        if self.save_every < 1 or self.log_every < 1:
+        if (self.save_every is not None and self.save_every < 1) or self.log_every < 1:
             raise ConfigError("--save-every and --log-every must be at least 1")
 
     # -- derived values -------------------------------------------------------------------------------------------

@@ -27,7 +27,9 @@ from moco_retrieval.trainer.recipe_table import (
     AUTO_TAU_RANGE,
     AUTO_WARMUP_EPOCHS_V3,
     AUTO_WARMUP_MAX_FRACTION,
+    KEPT_CHECKPOINTS,
     MONITOR_EVALUATIONS,
+    SAVE_EVERY_EPOCHS,
     SMALL_STEM_COST,
     Situation,
     first_rule,
@@ -168,8 +170,8 @@ def resolve_before_training(
 
 
 def resolve_schedule(cfg: TrainConfig, variant: Variant, total_steps: int, steps_per_epoch: int) -> TrainConfig:
-    """Fill what depends on the run's length: epochs (of a budgeted run), the monitor's interval, warm-up and
-    v2's key momentum."""
+    """Fill what depends on the run's length: epochs (of a budgeted run), the monitor's and the numbered
+    checkpoints' intervals, warm-up and v2's key momentum."""
     if cfg.epochs is None or "epochs" in cfg.derived:
         epochs = max(1, math.ceil(total_steps / steps_per_epoch))
         why = (
@@ -185,6 +187,15 @@ def resolve_schedule(cfg: TrainConfig, variant: Variant, total_steps: int, steps
             "knn_every",
             every,
             f"about {MONITOR_EVALUATIONS} evaluations over {cfg.epochs} epochs (plus the first and the last)",
+        )
+    if cfg.save_every is None:
+        every = max(SAVE_EVERY_EPOCHS, math.ceil(cfg.epochs / KEPT_CHECKPOINTS))
+        cfg = _set(
+            cfg,
+            "save_every",
+            every,
+            f"every {SAVE_EVERY_EPOCHS} epochs, at most about {KEPT_CHECKPOINTS} numbered checkpoints over "
+            f"{cfg.epochs} epochs (plus the last)",
         )
     init_rule = first_rule("warmup_epochs", Situation(cfg, KINDS[type(variant)], 0, 1, False))
     if cfg.warmup_epochs is None and init_rule is not None:  # --init; the rule's value is in epochs, capped here

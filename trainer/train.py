@@ -777,7 +777,8 @@ def run(t: Trainee, p: Progress, stop_at_epoch: int | None = None) -> TrainResul
                 LOG.info(
                     "epoch %s: loss %.4f, %.0f images/s%s", row["epoch"], loss_value, row["images_per_s"], knn_text
                 )
-                keep = complete and (p.epoch % cfg.save_every == 0 or finished)
+                save_every = p.cfg.save_every  # None until a budgeted run has planned its length
+                keep = complete and (finished or bool(save_every and p.epoch % save_every == 0))
                 if finished or keep or time.perf_counter() - p.last_save >= CHECKPOINT_INTERVAL:
                     save(t, p)
                 if keep:
