@@ -66,7 +66,7 @@ def test_save_every__every_10_epochs_and_about_10_kept_in_longer_runs():
     steps = 1600 // 256  # 6 per epoch
     assert _resolve(1600, total_steps=100 * steps).save_every == 10  # 100 epochs: 10 kept, as always
     assert _resolve(1600, total_steps=101 * steps).save_every == 11  # past 100 epochs the interval grows
-    long = _resolve(1600, total_steps=755 * steps)  # the icons' 30 minutes: 76 checkpoints of 138 MB kept before
+    long = _resolve(1600, total_steps=755 * steps)  # like the icons in 30 min (810 there: 81 x 138 MB kept before)
     assert long.save_every == 76 and "about 10 numbered checkpoints" in long.derived["save_every"]["why"]
     assert TrainConfig.from_json(long.to_json()) == long
     mine = _resolve(1600, total_steps=755 * steps, save_every=5)

@@ -94,7 +94,7 @@ SIDE_RANGE_CPU = (32, 32)  # 64 px lost to 32 px at equal time on real collectio
 SIDE_RANGE_GPU = (32, PAPER_IMAGE_SIZE)
 MONITOR_EVALUATIONS = 10  # default --knn-every: about this many k-NN evaluations per run
 SAVE_EVERY_EPOCHS = 10  # default --save-every: a numbered checkpoint every this many epochs, ...
-KEPT_CHECKPOINTS = 10  # ... or fewer, so a run keeps about this many (a 30-minute run on 1,000 images: 755 epochs)
+KEPT_CHECKPOINTS = 10  # ... or fewer, so a run keeps about this many (30 minutes on the 1,025 icons: 810 epochs)
 SMALL_STEM_COST = "about 9x the compute per image (measured at 32 px: 28 against 266 images/s)"
 
 
