@@ -48,7 +48,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench.learning_curves import dataset_folders, exclusive, read_curve  # noqa: E402
+from bench.learning_curves import dataset_folders, exclusive, plot_curve, read_curve  # noqa: E402
 
 ARMS = {"a": "from scratch", "b": "--init, continued", "c": "--init as is (exported)"}
 
@@ -180,10 +180,9 @@ def plot(report: dict, path: Path) -> None:
             )
             for j, run in enumerate(entry["runs"][arm]):
                 if run["knn"]:
-                    minutes, accs = zip(*run["knn"])
-                    ax.plot(
-                        minutes,
-                        [100 * a for a in accs],
+                    plot_curve(
+                        ax,
+                        run["knn"],
                         marker="o",
                         markersize=3,
                         color=colours[arm],
@@ -192,7 +191,7 @@ def plot(report: dict, path: Path) -> None:
                     )
                 if (run.get("final") or {}).get("top1") is not None and run["knn"]:
                     ax.plot(
-                        [minutes[-1]], [100 * run["final"]["top1"]], marker="*", markersize=9, color=colours[arm]
+                        [run["knn"][-1][0]], [100 * run["final"]["top1"]], marker="*", markersize=9, color=colours[arm]
                     )  # the final checkpoint through moco eval knn
         if entry["as_is"].get("top1") is not None:
             ax.axhline(

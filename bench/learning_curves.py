@@ -193,6 +193,12 @@ def summarize(runs: list[dict]) -> dict:
     }
 
 
+def plot_curve(ax, points: list, **style) -> None:
+    """Draw a k-NN curve ``[(minutes, top-1 in [0, 1]), ...]`` on ``ax`` in percent, with matplotlib ``style``."""
+    minutes, accs = zip(*points)
+    ax.plot(minutes, [100 * a for a in accs], **style)
+
+
 def plot(report: dict, path: Path) -> None:
     import matplotlib
 
@@ -216,10 +222,9 @@ def plot(report: dict, path: Path) -> None:
             )
             for j, res in enumerate(runs):
                 if res["knn"]:
-                    minutes, accs = zip(*res["knn"])
-                    ax.plot(
-                        minutes,
-                        [100 * a for a in accs],
+                    plot_curve(
+                        ax,
+                        res["knn"],
                         marker="o",
                         markersize=3,
                         color=colour[recipe],
@@ -228,12 +233,11 @@ def plot(report: dict, path: Path) -> None:
                         label=label if j == 0 else None,
                     )
                 if res.get("knn_whitened"):  # the same evaluations, whitened as the export does
-                    minutes, accs = zip(*res["knn_whitened"])
                     mean = summary.get("final_whitened_mean")
                     text = f"{recipe}, whitened: {100 * mean:.1f} %" if mean is not None else f"{recipe}, whitened"
-                    ax.plot(
-                        minutes,
-                        [100 * a for a in accs],
+                    plot_curve(
+                        ax,
+                        res["knn_whitened"],
                         marker="s",
                         markersize=2,
                         color=colour[recipe],
