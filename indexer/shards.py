@@ -138,9 +138,14 @@ class WorkShards:
     def vectors(self, paths: list[str]) -> np.ndarray:
         """float32 ``[len(paths), D]`` embeddings of finished, readable files."""
         out = np.empty((len(paths), self.dim), dtype=np.float32)
+        where: dict[tuple[int, int], tuple[list[int], list[int]]] = {}  # shard -> (positions in out, its rows)
         for i, path in enumerate(paths):
             packed, key = self._cache[path]
-            out[i] = self._vectors[key][packed[_ROW]]
+            at, rows = where.setdefault(key, ([], []))
+            at.append(i)
+            rows.append(packed[_ROW])
+        for key, (at, rows) in where.items():  # one gather per shard, not a memory-map slice per row
+            out[at] = self._vectors[key][rows]
         return out
 
     def add(self, entry: dict, vector: np.ndarray | None) -> None:

@@ -252,6 +252,17 @@ def test_shards__ranks_write_their_own_and_read_everyones(tmp_path):
     assert np.load(rank1.dir / "shard_001_000000.vec.npy").dtype == np.float16
 
 
+def test_shards__vectors_gathers_rows_across_shards_in_the_order_asked(tmp_path):
+    shards = WorkShards(tmp_path / "work", "sha-a", 3, shard_size=4)
+    for i in range(11):  # shards of 4, 4 and 3 results; 5.png unreadable (no row), so rows differ from positions
+        vector = None if i == 5 else np.full(3, i, dtype=np.float32)
+        shards.add({"path": f"{i}.png", "stat_bytes": i, "mtime_ns": i}, vector)
+    shards.flush()
+    asked = ["9.png", "0.png", "6.png", "3.png", "10.png", "4.png", "6.png"]  # shuffled, one twice
+    got = WorkShards(tmp_path / "work", "sha-a", 3).vectors(asked)
+    np.testing.assert_array_equal(got, [[int(p.split(".")[0])] * 3 for p in asked])
+
+
 # -- scanning ---------------------------------------------------------------------------------------------------
 def test_scan__sorted_labels_hidden_symlinks(tmp_path):
     root = tmp_path / "imgs"
