@@ -52,7 +52,7 @@ def _print_train_result(result) -> None:
         knn = f", k-NN top-1 {100 * result.knn_acc:.1f}%{before}{whitened}"
     loss = f", loss {result.loss:.3f}" if result.loss is not None else ""
     print(
-        f"trained {result.steps} steps ({result.epochs_done} epochs, stopped by {result.stopped_by}) on "
+        f"trained {result.steps} steps ({result.epochs_trained:.1f} epochs, stopped by {result.stopped_by}) on "
         f"{result.images} images ({result.skipped} skipped){loss}{knn}"
     )
     print(f"run directory: {result.run_dir}")

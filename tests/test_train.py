@@ -353,3 +353,14 @@ def test_load_checkpoint__format_1_checkpoints_with_numpy_rng_state_still_load(t
     from moco_retrieval.trainer.checkpoint import set_rng_state
 
     set_rng_state(ckpt["rng"])  # the old tuple form is still understood
+
+
+def test_train_summary__counts_epochs_with_their_fraction(tmp_path, capsys):
+    from moco_retrieval.app.cmd_train import _print_train_result
+    from moco_retrieval.trainer.train import TrainResult
+
+    # a budgeted run of 70,000 images stopped inside its second epoch printed "517 steps (1 epochs, ...)"
+    result = TrainResult(tmp_path, 1, 517, 3.5, None, 70_000, 0, stopped_by="time budget", steps_per_epoch=273)
+    assert result.epochs_done == 1 and abs(result.epochs_trained - 1.894) < 1e-3
+    _print_train_result(result)
+    assert "trained 517 steps (1.9 epochs, stopped by time budget) on 70000 images" in capsys.readouterr().out

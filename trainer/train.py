@@ -84,6 +84,12 @@ class TrainResult:
     stopped_by: str = "epochs"  # epochs, stop-at-epoch, time budget, steps
     init: str | None = None  # the --init weights the run started from (knn_before is theirs, not random init)
     knn_whitened: float | None = None  # the last k-NN top-1 with the features PCA-whitened, as `moco export` does
+    steps_per_epoch: int = 0  # optimizer steps in one pass over the images
+
+    @property
+    def epochs_trained(self) -> float:
+        """Passes over the images, fractions included (``epochs_done`` counts only the complete ones)."""
+        return self.steps / self.steps_per_epoch if self.steps_per_epoch else float(self.epochs_done)
 
 
 @dataclass(frozen=True)
@@ -813,6 +819,7 @@ def run(t: Trainee, p: Progress, stop_at_epoch: int | None = None) -> TrainResul
         stopped,
         p.cfg.init,
         knn_whitened,
+        t.steps_per_epoch,
     )
 
 
