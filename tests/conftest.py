@@ -69,3 +69,12 @@ def resolved_config(cfg, num_images: int = 96):
     from moco_retrieval.trainer.recipes import resolve_for_images
 
     return resolve_for_images(cfg, num_images)
+
+
+def ctrl_c_reaches_it() -> None:
+    """``preexec_fn`` of a child the test will press Ctrl-C in (``SIGINT``): Python turns it into
+    KeyboardInterrupt only when the signal is not ignored at start, and a suite launched from a background job
+    (``cmd &``, ``nohup``) passes SIGINT on ignored, so the child ran to its end and the test failed."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from moco_retrieval.contracts.errors import ConfigError
-from tests.conftest import tiny_train_config
+from tests.conftest import ctrl_c_reaches_it, tiny_train_config
 from moco_retrieval.trainer.checkpoint import load_checkpoint
 from moco_retrieval.trainer.config import parse_duration
 from moco_retrieval.trainer.schedule import TimeBudget
@@ -110,7 +110,9 @@ def test_train__interrupted_budget_run_continues_to_the_same_plan(shapes_dir, tm
         "--log-every",
         "1",
     ]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=ctrl_c_reaches_it
+    )
     deadline = time.time() + 120
     while time.time() < deadline:  # interrupt once the plan is final: planned, then planned again at 7 of 14 s
         config = run / "config.json"

@@ -12,7 +12,7 @@ import torch
 
 from moco_retrieval.app.cli import main
 from moco_retrieval.contracts.errors import ArtifactError
-from tests.conftest import tiny_train_config
+from tests.conftest import ctrl_c_reaches_it, tiny_train_config
 from moco_retrieval.trainer.checkpoint import load_checkpoint
 from moco_retrieval.trainer.demo_data import write_demo_dataset
 from moco_retrieval.trainer.train import train
@@ -246,7 +246,9 @@ def test_train__ctrl_c_saves_mid_epoch_and_rerun_finishes_the_same_schedule(shap
         "--log-every",
         "1",
     ]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=ctrl_c_reaches_it
+    )
     deadline = time.time() + 120
     while time.time() < deadline:  # wait until some steps of the 12-step epoch are done, then press Ctrl-C
         metrics = run / "metrics.jsonl"
