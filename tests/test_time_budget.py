@@ -1,6 +1,6 @@
-"""--time-budget: the plan from the measured speed, planned once more at half the budget, a tiny budget that stops
-on time with a checkpoint, and an interrupted budgeted run that a rerun continues to the same plan and the same
-deadline."""
+"""--time-budget: the plan from the measured speed, planned again at half and four fifths of the budget from the
+speed since the plan before, a tiny budget that stops on time with a checkpoint, and an interrupted budgeted run that
+a rerun continues to the same plan and the same deadline."""
 
 from __future__ import annotations
 
@@ -49,22 +49,49 @@ def test_time_budget__plans_the_steps_that_fit_after_its_calibration_window():
     assert TimeBudget(seconds=10, spent=10.5).should_stop(0)  # earlier runs spent it all
 
 
-def test_time_budget__plans_again_once_at_half_the_budget():
+def test_time_budget__plans_again_at_half_and_four_fifths_of_the_budget_from_the_speed_since():
     budget = TimeBudget(seconds=100, started=time.perf_counter() - 40)  # 40 s of the budget spent
     for _ in range(10):
         budget.record_step(0.5)
     assert not budget.replan_due()  # not planned yet: the first plan comes first
-    budget.total_steps = 200
+    budget.planned(200)
     assert not budget.replan_due()  # planned, 40% spent
     budget.started -= 15  # 55% spent
-    assert budget.replan_due()
-    budget.replanned = True
-    assert not budget.replan_due()  # once
-    resumed = TimeBudget(seconds=100, spent=60, total_steps=200)  # a rerun past half, not yet re-planned
-    assert not resumed.replan_due()  # waits for steps of its own to time
+    assert not budget.replan_due()  # no step timed since the plan
+    for _ in range(5):
+        budget.record_step(1.0)  # the machine slowed down after the first plan
+    assert budget.replan_due() and budget.seconds_per_step == pytest.approx(1.0)  # the speed since the plan
+    budget.planned(150)
+    assert budget.replans == 1 and budget.replanned_at == (0.5,) and not budget.replan_due()
+    budget.started -= 20  # 75% spent
+    for _ in range(5):
+        budget.record_step(2.0)
+    assert not budget.replan_due()
+    budget.started -= 6  # 81% spent
+    assert budget.replan_due() and budget.seconds_per_step == pytest.approx(2.0)
+    budget.planned(120)
+    budget.started -= 15  # 96% spent
+    for _ in range(5):
+        budget.record_step(2.0)
+    assert budget.replanned_at == (0.5, 0.8) and not budget.replan_due()  # twice, no more
+    resumed = TimeBudget.resumed(100, {"spent_seconds": 60, "total_steps": 200, "replans": 1})  # a rerun past half
     for _ in range(2 + 5):
         resumed.record_step(0.5)
+    assert resumed.replans == 1 and not resumed.replan_due()  # re-planned at half; four fifths not reached
+    resumed.started -= 25
     assert resumed.replan_due()
+    saved = resumed.to_saved()
+    assert (saved["total_steps"], saved["replans"]) == (200, 1) and saved["spent_seconds"] == pytest.approx(85, abs=1)
+
+
+def test_time_budget__a_checkpoint_from_before_the_second_replan_resumes_with_its_one_replan():
+    old = TimeBudget.resumed(100, {"spent_seconds": 85, "total_steps": 200, "replanned": True})
+    assert (old.spent, old.total_steps, old.replans) == (85, 200, 1)
+    for _ in range(2 + 5):
+        old.record_step(0.5)
+    assert old.replan_due()  # its second re-plan, at four fifths
+    assert TimeBudget.resumed(100, {"spent_seconds": 30, "total_steps": 200, "replanned": False}).replans == 0
+    assert TimeBudget.resumed(100, {}).replans == 0 and not TimeBudget.resumed(100, {}).calibrated
 
 
 @pytest.mark.parametrize("batch, queue", [(8, 16), (48, 96)])  # 12 batches per epoch, and 2 (all at epoch starts)
@@ -100,7 +127,7 @@ def test_train__interrupted_budget_run_continues_to_the_same_plan(shapes_dir, tm
         "--queue-size",
         "16",
         "--time-budget",
-        "14s",
+        "20s",
         "--workers",
         "0",
         "--device",
@@ -114,9 +141,9 @@ def test_train__interrupted_budget_run_continues_to_the_same_plan(shapes_dir, tm
         cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=ctrl_c_reaches_it
     )
     deadline = time.time() + 120
-    while time.time() < deadline:  # interrupt once the plan is final: planned, then planned again at 7 of 14 s
+    while time.time() < deadline:  # interrupt once the plan is final: planned, then planned again at 10 and 16 s
         config = run / "config.json"
-        if config.exists() and '"time_budget": "14s"' in config.read_text() and "re-planned" in config.read_text():
+        if config.exists() and '"time_budget": "20s"' in config.read_text() and "50% and 80%" in config.read_text():
             break
         time.sleep(0.05)
     proc.send_signal(signal.SIGINT)
@@ -124,14 +151,14 @@ def test_train__interrupted_budget_run_continues_to_the_same_plan(shapes_dir, tm
     assert proc.returncode == 130, err[-2000:]
     first = load_checkpoint(run)
     planned = first["schedule"]["total_steps"]
-    assert first["schedule"]["replanned"] and first["config"]["derived"]["epochs"]["why"].count("re-planned") == 1
-    assert planned > 0 and first["step"] < planned and first["schedule"]["spent_seconds"] < 14
+    assert first["schedule"]["replans"] == 2 and first["config"]["derived"]["epochs"]["why"].count("re-planned") == 1
+    assert planned > 0 and first["step"] < planned and first["schedule"]["spent_seconds"] < 20
     rerun = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert rerun.returncode == 0, rerun.stderr[-2000:]
     final = load_checkpoint(run)
-    assert final["schedule"]["total_steps"] == planned and final["schedule"]["replanned"]  # the same plan
+    assert final["schedule"]["total_steps"] == planned and final["schedule"]["replans"] == 2  # the same plan
     assert final["step"] > first["step"]
-    assert final["step"] == planned or final["schedule"]["spent_seconds"] >= 14  # done, or out of time
+    assert final["step"] == planned or final["schedule"]["spent_seconds"] >= 20  # done, or out of time
 
 
 def test_train__budget_spent_before_the_first_step_still_leaves_a_checkpoint(shapes_dir, tmp_path, monkeypatch):

@@ -178,8 +178,9 @@ class TrainConfig:
     time_budget: str | None = option(
         None,
         "train for this long (90s, 30m, 2h) instead of --epochs: the first "
-        "minute's throughput sets the number of steps (set again at half the "
-        "budget from the speed since), the schedules span the budget, and the "
+        "minute's throughput sets the number of steps (set again at half and at "
+        "four fifths of the budget from the speed since), the schedules span the "
+        "budget, and the "
         "run stops on time with a checkpoint",
         "recipe and schedule",
         metavar="DURATION",

@@ -3,12 +3,13 @@
 :class:`Schedule`: linear learning-rate warm-up, then a half cosine to 0 at ``total_steps``; the key-encoder
 momentum as the variant defines it over the same progress. In ``--epochs`` mode the total is known up front;
 with ``--time-budget`` it is set by :class:`TimeBudget` from the throughput measured in the first minute, and set
-once more at half the budget from the throughput measured since (the first minute's speed can be off either way:
-a 600 s run finished 14% early, a 12-minute one ran out of time 7% short of its plan), so the run ends on its
-budget with its schedule complete.
+again at half and at four fifths of the budget, each time from the throughput measured since the plan before (the
+first minute's speed can be off either way: a 600 s run finished 14% early, a 12-minute one ran out of time 7%
+short of its plan; and a machine's speed wanders: one re-plan at half a 30-minute run did not follow what came
+after it), so the run ends on its budget with its schedule complete.
 
 :class:`TimeBudget` keeps the clock of a budgeted run across interruptions: the seconds spent by earlier runs
-come back from the checkpoint with the plan (and whether it was already re-planned), so a rerun continues to the
+come back from the checkpoint with the plan (and how many times it was re-planned), so a rerun continues to the
 same total steps and the same deadline.
 """
 
@@ -24,7 +25,7 @@ LOG = logging.getLogger(__name__)
 CALIBRATION_SECONDS = 60.0  # steps are timed for this long (at most 20% of the budget) before the plan is fixed
 CALIBRATION_MIN_STEPS = 5
 SKIP_FIRST_STEPS = 2  # the first steps pay for kernel selection and allocation: not timed
-REPLAN_FRACTION = 0.5  # a budgeted run plans its length once more when this much of the budget is spent
+REPLAN_FRACTIONS = (0.5, 0.8)  # a budgeted run plans its length again when these fractions of the budget are spent
 
 
 @dataclass
@@ -62,16 +63,32 @@ class TimeBudget:
         seconds: the whole budget.
         spent: seconds already spent by earlier runs of the same run directory.
         total_steps: the planned steps when an earlier run already fixed them (0: not yet).
-        replanned: whether the plan was already made again at :data:`REPLAN_FRACTION` of the budget.
+        replans: how many of the re-plans at :data:`REPLAN_FRACTIONS` of the budget were already made.
     """
 
     seconds: float
     spent: float = 0.0
     total_steps: int = 0
-    replanned: bool = False
+    replans: int = 0
     started: float = field(default_factory=time.perf_counter)
     _steps: int = 0  # steps this process has trained (a budget is made per process)
     _timed_seconds: float = 0.0  # of all but its first SKIP_FIRST_STEPS
+    _since_plan: tuple[int, float] = (0, 0.0)  # (_steps, _timed_seconds) when this process last planned
+
+    @classmethod
+    def resumed(cls, seconds: float, saved: dict) -> "TimeBudget":
+        """The budget of a run whose checkpoint holds ``saved`` (what :meth:`to_saved` wrote; ``{}``: a new run).
+        A checkpoint written before the second re-plan holds ``replanned`` (a bool) instead of ``replans``."""
+        return cls(
+            seconds,
+            spent=saved.get("spent_seconds", 0.0),
+            total_steps=saved.get("total_steps", 0),
+            replans=saved.get("replans", int(saved.get("replanned", False))),
+        )
+
+    def to_saved(self) -> dict:
+        """What a checkpoint keeps of the budget, so that a rerun continues to the same plan and deadline."""
+        return {"total_steps": self.total_steps, "spent_seconds": self.elapsed(), "replans": self.replans}
 
     @property
     def calibrated(self) -> bool:
@@ -98,7 +115,24 @@ class TimeBudget:
 
     @property
     def seconds_per_step(self) -> float | None:
-        return self._timed_seconds / self._timed_steps if self._timed_steps else None
+        """The speed to plan with: seconds per step timed since this process last planned (the speed can drift
+        within a run), or since it started when it has not planned yet."""
+        steps = self._timed_steps - max(0, self._since_plan[0] - SKIP_FIRST_STEPS)
+        seconds = self._timed_seconds - self._since_plan[1]
+        return seconds / steps if steps else None
+
+    def planned(self, total_steps: int) -> None:
+        """Fix the plan at ``total_steps``; a plan made after the first counts as a re-plan, and the next one
+        times the steps from here."""
+        if self.calibrated:
+            self.replans += 1
+        self.total_steps = total_steps
+        self._since_plan = (self._steps, self._timed_seconds)
+
+    @property
+    def replanned_at(self) -> tuple[float, ...]:
+        """The fractions of the budget at which the plan was made again so far."""
+        return REPLAN_FRACTIONS[: self.replans]
 
     def calibration_due(self) -> bool:
         """True once enough steps were timed to plan the rest of the run."""
@@ -106,13 +140,14 @@ class TimeBudget:
         return not self.calibrated and self._timed_steps >= CALIBRATION_MIN_STEPS and self._timed_seconds >= window
 
     def replan_due(self) -> bool:
-        """True once, when :data:`REPLAN_FRACTION` of the budget is spent: plan the rest of the run again from the
-        speed timed since this process started (the first minute's alone was off by 5-15%, either way)."""
+        """True once at each of :data:`REPLAN_FRACTIONS` of the budget: plan the rest of the run again from the
+        speed timed since the plan before (the first minute's alone was off by 5-15%, either way; a second re-plan
+        follows a machine that slowed or sped up after the first), once this process has timed a few steps since."""
         return (
             self.calibrated
-            and not self.replanned
-            and self._timed_steps >= CALIBRATION_MIN_STEPS
-            and self.elapsed() >= REPLAN_FRACTION * self.seconds
+            and self.replans < len(REPLAN_FRACTIONS)
+            and self._timed_steps - max(0, self._since_plan[0] - SKIP_FIRST_STEPS) >= CALIBRATION_MIN_STEPS
+            and self.elapsed() >= REPLAN_FRACTIONS[self.replans] * self.seconds
         )
 
     def estimate_total(self, step: int, reserve_seconds: float) -> int:

@@ -53,7 +53,7 @@ from moco_retrieval.trainer.recipes import (
     set_derived,
 )
 from moco_retrieval.trainer.run_dir import RunDirLock
-from moco_retrieval.trainer.schedule import REPLAN_FRACTION, Schedule, TimeBudget
+from moco_retrieval.trainer.schedule import Schedule, TimeBudget
 from moco_retrieval.trainer.variants import Variant, variant_for
 
 LOG = logging.getLogger(__name__)
@@ -324,12 +324,7 @@ def _plan(
     if cfg.budget_seconds is None:
         cfg = resolve_schedule(cfg, variant, (cfg.epochs or 200) * steps_per_epoch, steps_per_epoch)
         return cfg, _schedule(cfg, variant, cfg.epochs * steps_per_epoch, steps_per_epoch), None
-    budget = TimeBudget(
-        cfg.budget_seconds,
-        spent=saved.get("spent_seconds", 0.0),
-        total_steps=saved.get("total_steps", 0),
-        replanned=saved.get("replanned", False),
-    )
+    budget = TimeBudget.resumed(cfg.budget_seconds, saved)
     total = budget.total_steps or _provisional_total(cfg, steps_per_epoch)
     if budget.calibrated:
         cfg = resolve_schedule(cfg, variant, total, steps_per_epoch)
@@ -531,23 +526,24 @@ def _plan_total(t: Trainee, p: Progress) -> int:
 
 
 def _apply_plan(t: Trainee, p: Progress, total: int) -> None:
-    """Fix a budgeted run's length and everything that depends on it: once after the first minute, and once more
-    at :data:`REPLAN_FRACTION` of the budget, where only the length (the cosine's end, the epochs) changes; the
-    warm-up, the key momentum and the monitor's interval stay as first planned."""
+    """Fix a budgeted run's length and everything that depends on it: once after the first minute, and again
+    at each of :data:`~trainer.schedule.REPLAN_FRACTIONS` of the budget, where only the length (the cosine's end,
+    the epochs) changes; the warm-up, the key momentum and the monitor's interval stay as first planned."""
     budget = p.budget
     replan, before = budget.calibrated, budget.total_steps
-    budget.total_steps, budget.replanned = total, budget.replanned or replan
+    rate = p.cfg.batch_size / budget.seconds_per_step if budget.seconds_per_step else float("nan")  # what planned it
+    budget.planned(total)
+    at = " and ".join(f"{100 * f:g}%" for f in budget.replanned_at)
     p.cfg = resolve_schedule(p.cfg, t.variant, total, t.steps_per_epoch)
     if replan and "epochs" in p.cfg.derived:
-        why = p.cfg.derived["epochs"]["why"] + f" (re-planned at {100 * REPLAN_FRACTION:g}% of it, from {before})"
+        why = p.cfg.derived["epochs"]["why"] + f" (re-planned at {at} of it, last from {before})"
         p.cfg = set_derived(p.cfg, "epochs", p.cfg.epochs, why)
     p.schedule = _schedule(p.cfg, t.variant, total, t.steps_per_epoch)
     if t.is_main:
-        rate = p.cfg.batch_size / budget.seconds_per_step if budget.seconds_per_step else float("nan")
         LOG.info(
             "time budget %s%s: measured %.0f images/s, so %d steps (%.1f epochs), %d of them warm-up; %.0f s left",
             p.cfg.time_budget,
-            f" re-planned at {100 * REPLAN_FRACTION:g}% (was {before} steps)" if replan else "",
+            f" re-planned at {100 * budget.replanned_at[-1]:g}% (was {before} steps)" if replan else "",
             rate,
             total,
             total / t.steps_per_epoch,
@@ -654,9 +650,7 @@ def save(t: Trainee, p: Progress) -> None:
     tic = time.perf_counter()
     schedule = {"total_steps": p.schedule.total_steps, "warmup_steps": p.schedule.warmup_steps}
     if p.budget is not None:
-        schedule.update(
-            total_steps=p.budget.total_steps, spent_seconds=p.budget.elapsed(), replanned=p.budget.replanned
-        )
+        schedule.update(p.budget.to_saved())
     save_atomic(
         checkpoint_dict(
             p.cfg,
