@@ -73,7 +73,7 @@ class TimeBudget:
     started: float = field(default_factory=time.perf_counter)
     _steps: int = 0  # steps this process has trained (a budget is made per process)
     _timed_seconds: float = 0.0  # of all but its first SKIP_FIRST_STEPS
-    _since_plan: tuple[int, float] = (0, 0.0)  # (_steps, _timed_seconds) when this process last planned
+    _since_plan: tuple[int, float] = (0, 0.0)  # (_timed_steps, _timed_seconds) when this process last planned
 
     @classmethod
     def resumed(cls, seconds: float, saved: dict) -> "TimeBudget":
@@ -117,9 +117,13 @@ class TimeBudget:
     def seconds_per_step(self) -> float | None:
         """The speed to plan with: seconds per step timed since this process last planned (the speed can drift
         within a run), or since it started when it has not planned yet."""
-        steps = self._timed_steps - max(0, self._since_plan[0] - SKIP_FIRST_STEPS)
-        seconds = self._timed_seconds - self._since_plan[1]
-        return seconds / steps if steps else None
+        steps = self._steps_since_plan
+        return (self._timed_seconds - self._since_plan[1]) / steps if steps else None
+
+    @property
+    def _steps_since_plan(self) -> int:
+        """Steps timed since this process last planned (since it started, before its first plan)."""
+        return self._timed_steps - self._since_plan[0]
 
     def planned(self, total_steps: int) -> None:
         """Fix the plan at ``total_steps``; a plan made after the first counts as a re-plan, and the next one
@@ -127,7 +131,7 @@ class TimeBudget:
         if self.calibrated:
             self.replans += 1
         self.total_steps = total_steps
-        self._since_plan = (self._steps, self._timed_seconds)
+        self._since_plan = (self._timed_steps, self._timed_seconds)
 
     @property
     def replanned_at(self) -> tuple[float, ...]:
@@ -146,7 +150,7 @@ class TimeBudget:
         return (
             self.calibrated
             and self.replans < len(REPLAN_FRACTIONS)
-            and self._timed_steps - max(0, self._since_plan[0] - SKIP_FIRST_STEPS) >= CALIBRATION_MIN_STEPS
+            and self._steps_since_plan >= CALIBRATION_MIN_STEPS
             and self.elapsed() >= REPLAN_FRACTIONS[self.replans] * self.seconds
         )
 
