@@ -17,7 +17,7 @@ from moco_retrieval.indexer import metadata
 from moco_retrieval.indexer.factory import Factory
 from moco_retrieval.indexer.faiss_index import build_index, choose_factory, exact_knn, read_flags, recall_at_k
 from moco_retrieval.indexer.layout import IndexLayout, current_generation
-from moco_retrieval.indexer.metadata import MetadataStore
+from moco_retrieval.indexer.metadata import MetadataStore, link_store
 from moco_retrieval.indexer.scan import read_labels_csv, scan_folder
 from moco_retrieval.indexer.shards import WorkShards, discard_other_models
 from moco_retrieval.indexer.vectors import block_dtype
@@ -169,6 +169,27 @@ def test_metadata__add_items_in_chunks_finds_duplicates_and_used_ids_across_them
                 store.add_items(again)  # twice in one chunk, or already in the store: nothing of the chunk written
         assert store.count() == 5 and store.id_of_path("5.png") is None and store.record(2).path == "2.png"
         assert store.label_ids("a").tolist() == [0, 1, 2, 3, 4]
+
+
+def test_metadata__ids_above_the_store_skip_the_per_record_check_and_others_do_not(tmp_path):
+    # a chunk of increasing ids above every id held (live, removed, or in the base under a delta) is fresh by a
+    # range check; an id at or below that bound is read record by record and refused when it is in use
+    with MetadataStore(tmp_path / "m", readonly=False) as store:
+        store.add_items([_rec(i, f"{i}.png", "same") for i in range(4)])
+        store.remove_items([3], "g000002")  # the highest id is now a tombstone only
+        with pytest.raises(IndexBuildError, match="id 3 is already used"):
+            store.add_items([_rec(3, "again.png", "s3")])
+        stored = store.add_items([_rec(4, "4.png", "same"), _rec(6, "6.png", "same")])
+        assert [r.duplicate_of for r in stored] == [0, 0] and store.ids_of_sha256("same") == [0, 1, 2, 4, 6]
+        store.sync()
+    for ids in ([], [7], [0, 12, 345678901234]):
+        assert metadata._dump_ids(ids) == metadata._dump(ids)
+    link_store(tmp_path / "m", tmp_path / "base")
+    with MetadataStore(tmp_path / "base", readonly=False, delta=tmp_path / "delta") as layered:
+        with pytest.raises(IndexBuildError, match="id 6 is already used"):
+            layered.add_items([_rec(6, "x.png", "sx")])  # in the base only
+        layered.add_items([_rec(7, "7.png", "s7")])
+        assert layered.record(7).path == "7.png" and layered.record(6).path == "6.png"
 
 
 def test_metadata__a_read_only_store_keeps_decoded_records_up_to_its_cap(tmp_path, monkeypatch):
