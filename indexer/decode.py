@@ -126,7 +126,8 @@ def decode_files(
             wakes once per message (56,000 small PNGs: 1.5 CPU seconds at 8, 0.8-0.9 at 32).
         window: files per window (at least ``chunksize``).
     """
-    tasks = ((p, str(root / p), image_size, resize) for p in paths)
+    base = os.fspath(root)  # os.path.join, not pathlib: 0.6 instead of 3.1 us a file in the feeding thread
+    tasks = ((p, os.path.join(base, p), image_size, resize) for p in paths)
     if workers <= 0:
         yield from map(decode_file, tasks)
         return
