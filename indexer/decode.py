@@ -4,8 +4,9 @@ Each file is read once (:func:`contracts.images.read_image_bytes`: regular files
 bytes give the sha256 and are decoded with :func:`contracts.images.decode_image` (told the encoder's size, so
 a JPEG is decoded reduced) and the encoder's resize policy (:func:`contracts.encoder_format.preprocess_image`),
 the server's preprocessing exactly, so index and query embed alike.
-Workers never hold an ONNX Runtime session; they return uint8 ``[H, W, 3]`` arrays to the parent, which
-batches them for the encoder. Unreadable files come back with a one-line reason instead of pixels.
+Workers never hold an ONNX Runtime session; they return each chunk's uint8 ``[H, W, 3]`` pixels to the parent
+as one array (:func:`decode_chunk`), which batches them for the encoder. Unreadable files come back with a
+one-line reason instead of pixels.
 """
 
 from __future__ import annotations
@@ -65,6 +66,27 @@ def decode_file(task: tuple[str, str, int, str]) -> Decoded:
     except Exception as exc:  # a decoder bug on a hostile file must not stop a 10-million-file run
         reason = f"not a readable image ({type(exc).__name__}: {exc})".splitlines()[0]
     return Decoded(rel, None, 0, 0, 0, "", reason, time.perf_counter() - tic)
+
+
+def decode_chunk(tasks: list[tuple[str, str, int, str]]) -> tuple[np.ndarray | None, list[Decoded]]:
+    """:func:`decode_file` of each task, as one message back to the parent: the readable files' pixels stacked
+    into one uint8 ``[n_readable, H, W, 3]`` array (``None`` when none is readable), the ``Decoded`` of every
+    task with its ``pixels`` left out. One array crosses the pipe instead of one a file: pickling and
+    unpickling 3.0 instead of 10.5 us a file of 32 x 32 pixels."""
+    decoded = [decode_file(task) for task in tasks]
+    readable = [d.pixels for d in decoded if d.pixels is not None]
+    for d in decoded:
+        d.pixels = None
+    return (np.stack(readable) if readable else None), decoded
+
+
+def _unchunk(chunk: tuple[np.ndarray | None, list[Decoded]]) -> list[Decoded]:
+    """The ``Decoded`` of a :func:`decode_chunk` message, each readable one holding its row of the array."""
+    pixels, decoded = chunk
+    readable = (d for d in decoded if d.error is None)
+    for d, row in zip(readable, pixels if pixels is not None else ()):
+        d.pixels = row
+    return decoded
 
 
 def _context():
@@ -132,14 +154,19 @@ def decode_files(
         yield from map(decode_file, tasks)
         return
     windows = iter(lambda: list(itertools.islice(tasks, max(window, chunksize))), [])
+
+    def submit(files: list) -> Iterator:  # a window, as chunks of ``chunksize`` files (one message each)
+        return pool.map(decode_chunk, [files[i : i + chunksize] for i in range(0, len(files), chunksize)])
+
     pool = ProcessPoolExecutor(workers, mp_context=_context(), initializer=_start_decoder)
     try:
-        ahead = collections.deque(pool.map(decode_file, w, chunksize=chunksize) for w in itertools.islice(windows, 2))
+        ahead = collections.deque(submit(w) for w in itertools.islice(windows, 2))
         while ahead:
-            yield from ahead.popleft()
+            for chunk in ahead.popleft():
+                yield from _unchunk(chunk)
             following = next(windows, None)
             if following is not None:
-                ahead.append(pool.map(decode_file, following, chunksize=chunksize))
+                ahead.append(submit(following))
     except BrokenProcessPool as exc:  # killed (out of memory, a signal) or crashed in a decoder
         raise DataError(
             "a decoding process died (out of memory, killed, or a decoder crashed on a file); run the same "

@@ -409,9 +409,11 @@ def test_decode_files__decoders_end_when_the_process_that_started_them_is_killed
     assert not any(alive(pid) for pid in decoders)
 
 
-def test_decode_files__windows_keep_order_and_bound_the_files_decoded_ahead(tmp_path):
-    """DECODE_WINDOW, crossed with a window of 3: results in input order, a bad file in its place, the same as
-    decoding in this process, and never more than two windows handed to the pool ahead of the reader."""
+@pytest.mark.parametrize("chunksize", [1, 3])  # 3: 03-05 in one chunk, its array without a row for 04.png
+def test_decode_files__windows_keep_order_and_bound_the_files_decoded_ahead(tmp_path, chunksize):
+    """DECODE_WINDOW, crossed with a window of 3: results in input order, a bad file in its place, each file's
+    own pixels, the same as decoding in this process, and never more than two windows handed to the pool ahead
+    of the reader."""
     from PIL import Image
 
     from moco_retrieval.contracts.encoder_format import RESIZE_POLICY
@@ -419,13 +421,15 @@ def test_decode_files__windows_keep_order_and_bound_the_files_decoded_ahead(tmp_
 
     for i in range(11):
         Image.new("RGB", (20 + i, 16), (10 * i, 0, 0)).save(tmp_path / f"{i:02d}.png")
-    (tmp_path / "05.png").write_bytes(b"not an image")
+    (tmp_path / "04.png").write_bytes(b"not an image")
     paths = sorted(p.name for p in tmp_path.glob("*.png"))
-    alone = [(d.path, d.width, d.error is None) for d in decode_files(tmp_path, paths, 16, RESIZE_POLICY, 0)]
+    alone = list(decode_files(tmp_path, paths, 16, RESIZE_POLICY, 0))
     drawn = _Drawn(paths)
-    stream = decode_files(tmp_path, drawn, 16, RESIZE_POLICY, workers=2, chunksize=1, window=3)
+    stream = decode_files(tmp_path, drawn, 16, RESIZE_POLICY, workers=2, chunksize=chunksize, window=3)
     first = next(stream)
     assert drawn.drawn <= 2 * 3  # two windows handed to the pool, not the whole list
     pooled = [first, *stream]
-    assert [(d.path, d.width, d.error is None) for d in pooled] == alone
-    assert [d.path for d in pooled if d.error] == ["05.png"] and drawn.drawn == len(paths)
+    assert [(d.path, d.width, d.error is None) for d in pooled] == [(d.path, d.width, d.error is None) for d in alone]
+    for d, a in zip(pooled, alone):
+        assert (d.pixels is None and a.pixels is None) or np.array_equal(d.pixels, a.pixels), d.path
+    assert [d.path for d in pooled if d.error] == ["04.png"] and drawn.drawn == len(paths)
