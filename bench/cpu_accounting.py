@@ -50,10 +50,12 @@ def read_threads(session: int) -> dict[tuple[int, int], dict]:
     return out
 
 
-def account(cmd: list[str]) -> dict:
-    """Run ``cmd`` to its end; its wall time and the CPU seconds of each thread (largest first)."""
+def account(cmd: list[str], **popen) -> dict:
+    """Run ``cmd`` to its end (``popen``: more ``subprocess.Popen`` arguments, such as ``cwd``, ``env`` or a file
+    for ``stdout``); its wall time and the CPU seconds of each thread (largest first)."""
+    popen = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL, **popen}
     tic = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(cmd, start_new_session=True, **popen)
     last: dict[tuple[int, int], dict] = {}
     while proc.poll() is None:
         last.update(read_threads(proc.pid))

@@ -9,7 +9,8 @@ Four measurements on the same folder and encoder (JSON out):
   process could reach if every core did one or the other all the time;
 - **1 rank**: ``moco index IMAGE_DIR --out A`` as a subprocess, from nothing to a published generation, and
   its fraction of the limit (the mean of the limit measured before and after it, ``limit`` and ``limit_after``:
-  this VM's speed drifts by 5-10% within minutes);
+  this VM's speed drifts by 5-10% within minutes), and of the **same-run limit**: the CPU seconds its encoder
+  lanes and decode processes spent in that very run (``bench/cpu_accounting.py``), spread over the cores;
 - **N ranks**: ``torchrun --standalone --nproc_per_node N -m moco_retrieval index IMAGE_DIR --out B``, the same.
 
 End-to-end images/s = images indexed / wall time of the command (its start-up included). Both indexes are
@@ -90,16 +91,46 @@ def run_index(cmd: list[str], count: int) -> dict:
     wall = time.perf_counter() - tic
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
-    indexed = int(re.search(r"^images in index\s+(\d+)", proc.stdout, re.M).group(1))
-    throughput = re.search(r"^throughput\s+(.*)$", proc.stdout, re.M)
+    return _index_row(cmd, proc.stdout, wall)
+
+
+def _index_row(cmd: list[str], stdout: str, wall: float) -> dict:
+    indexed = int(re.search(r"^images in index\s+(\d+)", stdout, re.M).group(1))
+    throughput = re.search(r"^throughput\s+(.*)$", stdout, re.M)
     return {
         "command": " ".join(cmd),
         "wall_s": round(wall, 2),
         "images": indexed,
         "images_per_s_end_to_end": round(indexed / wall, 1),
         "reported": throughput.group(1) if throughput else None,
-        "summary": [line for line in proc.stdout.splitlines() if line and not line.startswith(" ")],
+        "summary": [line for line in stdout.splitlines() if line and not line.startswith(" ")],
     }
+
+
+def run_index_accounted(cmd: list[str], work: Path, cores: int) -> dict:
+    """One process of ``moco index`` with every thread's CPU seconds (``bench.cpu_accounting``), and the limit
+    read from the same run: the CPU its two encoder lanes (its two busiest threads: one intra-op thread each
+    on a CPU) and its decode processes spent, spread over ``cores``. The machine's drift cancels."""
+    from bench.cpu_accounting import account
+
+    out = work / "stdout.txt"
+    with open(out, "w") as stdout:
+        acct = account(cmd, cwd=REPO, env=ENV, stdout=stdout)
+    row = _index_row(cmd, out.read_text(), acct["wall_s"])
+    main = [t for t in acct["threads"] if t["pid"] == acct["threads"][0]["pid"]]  # the busiest thread's process
+    lanes = sum(t["cpu_s"] for t in sorted(main, key=lambda t: -t["cpu_s"])[:2])
+    decoders = sum(t["cpu_s"] for t in acct["threads"] if "forkserver" in t["command"])
+    limit_s = (lanes + decoders) / cores
+    row["cpu"] = {
+        "total_s": acct["cpu_s"],
+        "encoder_lanes_s": round(lanes, 2),
+        "decoders_s": round(decoders, 2),
+        "idle_core_s": round(cores * acct["wall_s"] - acct["cpu_s"], 2),
+        "threads": acct["threads"],
+    }
+    row["same_run_limit_images_per_s"] = round(row["images"] / limit_s, 1)
+    row["of_same_run_limit"] = round(limit_s / acct["wall_s"], 3)
+    return row
 
 
 def _write(result: dict, out: Path) -> None:
@@ -145,7 +176,7 @@ def main() -> None:
         print("limit", json.dumps(result["limit"]), flush=True)
         common = ["--model", str(model), "--device", "cpu", "--batch-size", str(args.batch_size), "--no-progress"]
         one = [sys.executable, "-m", "moco_retrieval", "index", str(args.images), "--out", str(work / "one"), *common]
-        result["one_rank"] = run_index(one, count)
+        result["one_rank"] = run_index_accounted(one, work, available_cores())
         # the limit again after the run: on a shared VM the machine's speed drifts within a minute, and the run
         # is compared with the mean of the limit measured on both sides of it
         after = encoder_ceiling(model, args.images, args.ceiling_images, args.batch_size, threads=1)
