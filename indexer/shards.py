@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+from operator import itemgetter
 from pathlib import Path
 
 import numpy as np
@@ -130,6 +131,11 @@ class WorkShards:
             return None
         return _unpack(path, hit[0])
 
+    def facts(self, path: str) -> tuple[str, int, int, int]:
+        """``(sha256, width, height, bytes)`` of a finished file, what its record needs: without the dict
+        :meth:`lookup` builds (a full build asks this of every file, on its commit's critical path)."""
+        return _FACTS(self._cache[path][0])
+
     def vector(self, path: str) -> np.ndarray:
         """float32 ``[D]`` embedding of a finished, readable file."""
         packed, key = self._cache[path]
@@ -189,6 +195,7 @@ class WorkShards:
 
 _FIELDS = ("stat_bytes", "mtime_ns", "row", "sha256", "width", "height", "bytes", "error")
 _ROW = _FIELDS.index("row")
+_FACTS = itemgetter(*(_FIELDS.index(f) for f in ("sha256", "width", "height", "bytes")))
 
 
 def _pack(entry: dict) -> tuple:
