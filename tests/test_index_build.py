@@ -339,6 +339,30 @@ def test_index__sigkill_at_each_phase_of_an_update_keeps_the_old_generation_and_
         )
 
 
+def test_index__a_model_changed_while_embedding_is_refused_at_commit_and_nothing_is_published(
+    corpus, index_encoder, other_encoder, tmp_path, monkeypatch
+):
+    # the commit copies --model into the generation on a thread of its own and checks it against the sha256
+    # the run embedded with; its error comes out of the build, the staging folder goes, the shards stay
+    import moco_retrieval.indexer.build as build
+
+    data, _ = corpus
+    model = tmp_path / "model.onnx"
+    shutil.copyfile(index_encoder, model)
+    embed_share = build._embed_share
+
+    def embed_then_swap(run):
+        embed_share(run)
+        shutil.copyfile(other_encoder, model)  # the user replaces the file while the run still uses it
+
+    monkeypatch.setattr(build, "_embed_share", embed_then_swap)
+    out = tmp_path / "idx"
+    with pytest.raises(ArtifactError, match="changed while this run embedded with it"):
+        build_index_dir(_cfg(data, model, out))
+    assert not (out / "CURRENT").exists() and not list((out / "generations").glob("*"))
+    assert list((out / "work").rglob("shard_*.done"))  # the embedding is kept for the rerun
+
+
 def test_index__other_model_is_refused_and_rebuild_starts_over(built, corpus, index_encoder, other_encoder, tmp_path):
     data, info = corpus
     out = tmp_path / "idx"
