@@ -43,6 +43,7 @@ from moco_retrieval.indexer.build_types import (
 )
 from moco_retrieval.indexer.commit import commit_compaction, commit_full, commit_update, wanted_index
 from moco_retrieval.indexer.config import IndexConfig
+from moco_retrieval.indexer.decode import start_decoder_server
 from moco_retrieval.indexer.embed import Embedder, FolderEmbedder
 from moco_retrieval.indexer.encoder import OnnxEncoder, available_cores, read_encoder_metadata
 from moco_retrieval.indexer.encoder_lanes import CPU_LANES, lane_threads
@@ -212,6 +213,10 @@ def _plan(run: Run, labels, scanner, live: str | None) -> None:
             ignore=() if cfg.verify else (ENCODER_FILE,),
         )
         run.clock.add("check_previous", checked.seconds)
+    if live is None or cfg.rebuild:  # a full build decodes every file: the decoders' server boots beside the scan
+        workers = cfg.workers if cfg.workers is not None else default_workers(world)
+        if workers > 0 and run.embedder is None:
+            start_decoder_server()
     gone = None
     with run.clock.phase("scan"):
         if cfg.changed_list:

@@ -160,7 +160,12 @@ def path_key(path: str) -> bytes:
 
 def label_key(label: str, item_id: int) -> bytes:
     """The ``labels`` key of an item: its label's bytes, NUL (no folder name holds one), its 8-byte id."""
-    return encode_name(label) + b"\0" + id_key(item_id)
+    return label_prefix(label) + id_key(item_id)
+
+
+def label_prefix(label: str) -> bytes:
+    """What every ``labels`` key of ``label`` starts with: its bytes and NUL."""
+    return encode_name(label) + b"\0"
 
 
 def _optional_dbs(env: lmdb.Environment, create: bool) -> dict:
@@ -674,7 +679,7 @@ class MetadataStore:
                 f"index metadata {self.top_path} was built before label filters; rebuild it with "
                 "`moco index --rebuild` to filter by label"
             )
-        prefix = encode_name(label) + b"\0"
+        prefix = label_prefix(label)
         with self._read() as view:
             keys = [k for k, _ in view.prefixed("labels", prefix)]
         return np.fromiter((int.from_bytes(k[-8:], "big") for k in keys), dtype=np.int64, count=len(keys))
@@ -782,6 +787,7 @@ class MetadataStore:
         stored: list[ItemRecord] = []
         items, labels, paths = [], [], []
         shas: dict[bytes, list[int]] = {}  # sha256 -> its ids, read once and written once per chunk
+        prefixes: dict[str, bytes] = {}  # label -> label_prefix(label)
         chunk = [ItemRecord.from_dict(rec) if isinstance(rec, dict) else rec for rec in chunk]
         fresh = _above_every_id(view, [rec.id for rec in chunk])
         keys: set[bytes] = set()  # the ids of the chunk (not yet in the store)
@@ -804,8 +810,11 @@ class MetadataStore:
             keys.add(key)
             stored.append(rec)
             items.append((key, rec.to_json()))
-            if rec.label is not None:
-                labels.append((label_key(rec.label, rec.id), b"1"))
+            if rec.label is not None:  # a folder holds few labels: each one's bytes are encoded once a chunk
+                prefix = prefixes.get(rec.label)
+                if prefix is None:
+                    prefix = prefixes[rec.label] = label_prefix(rec.label)
+                labels.append((prefix + key, b"1"))  # label_key
             paths.append((path_key(rec.path), b"%d" % rec.id))  # (_dump of an int)
         view.put_many("items", items)
         if self._db.get("labels") is not None:

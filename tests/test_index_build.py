@@ -496,3 +496,26 @@ def test_index__counts_the_files_it_passes_over_by_extension(built):
     out, result = built
     assert result.not_images == {".txt": 1}  # square/readme.txt; .hidden.png is hidden, not counted
     assert json.loads((out / "report.json").read_text())["not_images"] == {".txt": 1}
+
+
+def test_index__a_full_build_starts_the_decoders_server_before_its_scan(corpus, index_encoder, tmp_path, monkeypatch):
+    # it boots on another core while this process scans and opens the encoder; an update (which may embed
+    # nothing) and --workers 0 (no decode processes) do not start it
+    from moco_retrieval.indexer import build, decode
+
+    data, _ = corpus
+    calls: list[str] = []
+    monkeypatch.setattr(build, "start_decoder_server", lambda: calls.append("server") or decode.start_decoder_server())
+    scan = build.scan_folder
+    monkeypatch.setattr(build, "scan_folder", lambda *a, **k: calls.append("scan") or scan(*a, **k))
+    out = tmp_path / "idx"
+    build_index_dir(_cfg(data, index_encoder, out, workers=1))
+    assert calls == ["server", "scan"]
+    calls.clear()
+    build_index_dir(_cfg(data, index_encoder, out, workers=1))  # an update of the same folder
+    build_index_dir(_cfg(data, index_encoder, tmp_path / "idx0", workers=0))
+    assert calls == ["scan", "scan"]
+    import multiprocessing.forkserver
+
+    server = multiprocessing.forkserver._forkserver._forkserver_pid
+    assert server is not None and os.waitpid(server, os.WNOHANG) == (0, 0)  # running, reused by each pool

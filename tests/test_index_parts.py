@@ -171,6 +171,40 @@ def test_metadata__add_items_in_chunks_finds_duplicates_and_used_ids_across_them
         assert store.label_ids("a").tolist() == [0, 1, 2, 3, 4]
 
 
+def test_metadata__a_records_bytes_are_the_json_encoders_whatever_it_holds(tmp_path):
+    # to_json formats the usual types into a template: byte for byte what the sorted-key encoder writes, for
+    # names with quotes, escapes, non-ASCII and surrogate-escaped bytes, no label, a duplicate, odd floats and
+    # ints that are not plain ints (the encoder's way for those)
+    from dataclasses import replace
+
+    from moco_retrieval.indexer.records import ItemRecord
+
+    base = ItemRecord(0, "a.png", "cls", 28, 28, 700, "ab" * 32, 1.7e9 + 0.123456, 1_700_000_000_123_456_789)
+    odd = [
+        {},
+        {"path": 'dir "q"/x\\y\n\t.png', "label": None},
+        {"path": "caf\u00e9/\u65e5\u672c/\u2028.png", "label": "\u00e9t\u00e9", "duplicate_of": 5},
+        {"path": os.fsdecode(b"bad\xff\xfe.png"), "id": 2**62, "mtime": 0.0, "mtime_ns": 0},
+        {"mtime": 1e-7},
+        {"mtime": 1e22},
+        {"mtime": 5},  # an int where a float is usual
+        {"width": np.int64(28)},  # not a plain int: the encoder refuses it, as it always did
+    ]
+    for change in odd:
+        rec = replace(base, **change)
+        try:
+            expected = json.dumps(rec.to_dict(), separators=(",", ":"), sort_keys=True).encode()
+        except TypeError:
+            with pytest.raises(TypeError):
+                rec.to_json()
+            continue
+        assert rec.to_json() == expected, change
+    with MetadataStore(tmp_path / "m", readonly=False) as store:  # the label keys of a chunk share one prefix
+        store.add_items([{**_rec(i, f"{i}.png", f"s{i}"), "label": "b" if i % 2 else "a"} for i in range(6)])
+        assert store.label_ids("a").tolist() == [0, 2, 4] and store.label_ids("b").tolist() == [1, 3, 5]
+        assert metadata.label_key("a", 4) == metadata.label_prefix("a") + metadata.id_key(4)
+
+
 def test_metadata__ids_above_the_store_skip_the_per_record_check_and_others_do_not(tmp_path):
     # a chunk of increasing ids above every id held (live, removed, or in the base under a delta) is fresh by a
     # range check; an id at or below that bound is read record by record and refused when it is in use
