@@ -172,6 +172,11 @@ def _live_generation(layout: IndexLayout, rebuild: bool) -> str | None:
 INDEX_ENCODER_SPIN = False
 
 
+def _decode_workers(cfg: IndexConfig, world: WorldInfo) -> int:
+    """The decode processes of this rank: ``--workers``, or :func:`default_workers`."""
+    return cfg.workers if cfg.workers is not None else default_workers(world)
+
+
 def _open_embedder(cfg: IndexConfig, image_root: Path, world: WorldInfo) -> FolderEmbedder:
     # the rank's share of the cores, split between the CPU lanes (a GPU session runs one lane)
     threads = lane_threads(CPU_LANES, available_cores() // max(1, world.local_world_size))
@@ -189,7 +194,7 @@ def _open_embedder(cfg: IndexConfig, image_root: Path, world: WorldInfo) -> Fold
             encoder = open_on("cpu")
     else:
         encoder = open_on(device)
-    workers = cfg.workers if cfg.workers is not None else default_workers(world)
+    workers = _decode_workers(cfg, world)
     lanes = CPU_LANES if encoder.provider == "CPUExecutionProvider" else 1
     return FolderEmbedder(encoder, image_root, cfg.batch_size, workers, lanes)
 
@@ -214,8 +219,7 @@ def _plan(run: Run, labels, scanner, live: str | None) -> None:
         )
         run.clock.add("check_previous", checked.seconds)
     if live is None or cfg.rebuild:  # a full build decodes every file: the decoders' server boots beside the scan
-        workers = cfg.workers if cfg.workers is not None else default_workers(world)
-        if workers > 0 and run.embedder is None:
+        if _decode_workers(cfg, world) > 0 and run.embedder is None:
             start_decoder_server()
     gone = None
     with run.clock.phase("scan"):
