@@ -35,7 +35,6 @@ sys.path.insert(0, str(REPO))
 from bench.machine import machine  # noqa: E402
 from bench.whitening_effect import backbone_for  # noqa: E402
 
-FIT_IMAGES = 10_000  # trainer.whitening.WHITEN_MAX_IMAGES: what moco export fits on
 CAPPED_DIM = 512  # the backbone's own width: a readout wider than it, whitened down to it
 
 
@@ -93,7 +92,7 @@ def measure(data: Path, models: list[str], k: int) -> dict:
     import torch.nn.functional as F
 
     from moco_retrieval.trainer.evaluate import knn_top1, load_labeled_pair
-    from moco_retrieval.trainer.whitening import fit_pca_whitening, whitening_dim
+    from moco_retrieval.trainer.whitening import WHITEN_MAX_IMAGES, fit_pca_whitening, whitening_dim
 
     torch.set_num_threads(2)
     test_dir = data / "val" if (data / "val").is_dir() else data / "test"
@@ -117,7 +116,8 @@ def measure(data: Path, models: list[str], k: int) -> dict:
         rb = readouts(feature_maps(backbone, train.paths, size, torch), torch)
         rq = readouts(feature_maps(backbone, test.paths, size, torch), torch)
         row = {"model": model, "image_size": size, "plain": {}, "whitened": {}, "whitened_512": {}, "dims": {}}
-        pick = torch.randperm(len(train.paths), generator=torch.Generator().manual_seed(0))[:FIT_IMAGES]
+        order = torch.randperm(len(train.paths), generator=torch.Generator().manual_seed(0))
+        pick = order[:WHITEN_MAX_IMAGES]  # the whitening is fitted on at most what moco export fits on
         for name, xb in rb.items():
             row["plain"][name] = top1(xb, rq[name])
             fit = xb[pick]

@@ -179,7 +179,8 @@ def test_metadata__a_records_bytes_are_the_json_encoders_whatever_it_holds(tmp_p
 
     from moco_retrieval.indexer.records import ItemRecord
 
-    base = ItemRecord(0, "a.png", "cls", 28, 28, 700, "ab" * 32, 1.7e9 + 0.123456, 1_700_000_000_123_456_789)
+    # every field a different value: a value put in another field's place in the template shows
+    base = ItemRecord(0, "a.png", "cls", 28, 27, 700, "ab" * 32, 1.7e9 + 0.123456, 1_700_000_000_123_456_789)
     odd = [
         {},
         {"path": 'dir "q"/x\\y\n\t.png', "label": None},
