@@ -20,6 +20,12 @@ that does not beat it is not worth indexing with.
         icons=/work/datasets/icons_split --recipes auto_v2 paper_v2 auto_v3 --budget 150s --seeds 0 1 \\
         --lock /tmp/moco-cpu.lock --out bench/results/learning_curves_cpu_budget.json
 
+``--from-runs PATTERN`` plots runs that already ended (their folders: PATTERN with ``{name}`` and ``{seed}``)
+instead of training, with the baselines measured on their monitor's own bank, e.g. the 30-minute defaults::
+
+    python bench/learning_curves.py --from-runs 'runs30/{name}_s{seed}' --datasets tuxpaint icons openclipart \\
+        --seeds 0 1 2 --budget 30m --out bench/results/learning_curves_cpu_30m_default.json
+
 ``--candidate NAME="OPTIONS"`` adds a recipe of your own (``moco train`` options) to compare, e.g.
 ``--candidate lr_low="--moco-version 2 --lr 0.12" --recipes auto_v2 lr_low``.
 
@@ -172,6 +178,33 @@ def run_one(
     return result
 
 
+def finished_run(run_dir: Path, seed: int, budget: str) -> tuple[dict, Path, Path]:
+    """A run that already ended (``--from-runs``), as :func:`run_one` reports one, with its training folder and
+    its monitor's k-NN bank (``--knn-dir``, else the training folder itself, as ``moco train`` picks it). Its
+    ``--seed`` and ``--time-budget`` must be ``seed`` and ``budget``: the plot says so."""
+    config_path = run_dir / "config.json"
+    if not config_path.is_file():
+        raise SystemExit(f"--from-runs: {run_dir} is not a `moco train` run folder (no config.json)")
+    config = json.loads(config_path.read_text())
+    result = {
+        "seed": seed,
+        "run_dir": str(run_dir),
+        "returncode": None,
+        "derived": {k: v["value"] for k, v in config.get("derived", {}).items()},
+        **read_curve(run_dir / "metrics.jsonl"),
+    }
+    if not result["knn"]:
+        raise SystemExit(f"--from-runs: {run_dir} has no k-NN evaluations in metrics.jsonl")
+    for option, value, wanted in (
+        ("--seed", config.get("seed"), seed),
+        ("--time-budget", config.get("time_budget"), budget),
+    ):
+        if value != wanted:
+            raise SystemExit(f"--from-runs: {run_dir} ran with {option} {value}, not {wanted}")
+    train = Path(config["data_dir"])
+    return result, train, Path(config.get("knn_dir") or train)
+
+
 def summarize(runs: list[dict]) -> dict:
     """Mean and spread over seeds of the first and last k-NN points of one recipe's runs (and of the last
     whitened point)."""
@@ -292,13 +325,24 @@ def main(argv: list[str] | None = None) -> dict:
         help=f"recipes to run (from: {', '.join(RECIPES)}, or a --candidate)",
     )
     p.add_argument("--seeds", nargs="+", type=int, default=[0], help="a run per recipe and seed (--seed)")
-    p.add_argument("--budget", default="150s", help="--time-budget of every run")
+    p.add_argument("--budget", default="150s", help="--time-budget of every run (that of the --from-runs runs)")
     p.add_argument("--extra", default="", help="more `moco train` options for every run, e.g. --extra=--device=cuda")
     p.add_argument("--no-baselines", action="store_true", help="skip the random-init baselines (ResNets only)")
     p.add_argument("--lock", default=None, help="take this file's exclusive flock around each run")
     p.add_argument("--work", default=None, help="folder for the data and run directories (default: beside --out)")
+    p.add_argument(
+        "--from-runs",
+        metavar="PATTERN",
+        default=None,
+        help="plot runs that already ended instead of training: their folders, PATTERN with {name} (a --datasets "
+        "name) and {seed} (e.g. 'runs/{name}_s{seed}'); the baselines are measured on each run's own k-NN bank",
+    )
+    p.add_argument("--runs-label", default="default", help="the --from-runs runs' name on the plot")
     p.add_argument("--out", default="bench/results/learning_curves_budget.json")
     args = p.parse_args(argv)
+    if args.from_runs:
+        args.recipes = [args.runs_label]
+        RECIPES[args.runs_label] = []
     for spec in args.candidate:
         name, sep, options = spec.partition("=")
         if not sep or not name:
@@ -328,7 +372,16 @@ def main(argv: list[str] | None = None) -> dict:
         "datasets": {},
     }
     for spec in args.datasets:
-        name, train, knn = dataset_folders(spec, work)
+        if args.from_runs:  # each run's own folders: the --seeds that have one
+            name = spec.partition("=")[0]
+            folders = {seed: Path(args.from_runs.format(name=name, seed=seed)) for seed in args.seeds}
+            ended = [finished_run(folder, seed, args.budget) for seed, folder in folders.items() if folder.exists()]
+            if not ended:
+                raise SystemExit(f"--from-runs: no run folder for {name} ({', '.join(map(str, folders.values()))})")
+            print(f"{name}: the runs of seeds {[r['seed'] for r, _, _ in ended]}", flush=True)
+            _, train, knn = ended[0]
+        else:
+            name, train, knn = dataset_folders(spec, work)
         entry = report["datasets"][name] = {
             "train": str(train),
             "knn": str(knn),
@@ -340,12 +393,17 @@ def main(argv: list[str] | None = None) -> dict:
             with exclusive(args.lock):
                 entry["baselines"] = random_baselines(knn, args.seeds, os.environ.get("MOCO_CACHE_DIR"))
             print(f"{name} baselines: {entry['baselines']}", flush=True)
+        if args.from_runs:
+            entry["runs"][args.runs_label] = [result for result, _, _ in ended]
+            entry["summary"][args.runs_label] = summarize(entry["runs"][args.runs_label])
+            continue
         for recipe in args.recipes:
             runs = entry["runs"][recipe] = []
             for seed in args.seeds:
                 runs.append(run_one(name, recipe, seed, train, knn, work, args.budget, args.extra.split(), args.lock))
                 entry["summary"][recipe] = summarize(runs)
                 out.write_text(json.dumps(report, indent=1) + "\n")  # partial results survive an interruption
+    out.write_text(json.dumps(report, indent=1) + "\n")
     plot(report, out.with_suffix(".png"))
     print(f"wrote {out} and {out.with_suffix('.png')}")
     return report
