@@ -198,6 +198,10 @@ def finished_run(run_dir: Path, seed: int, budget: str) -> tuple[dict, Path, Pat
     for option, value, wanted in (
         ("--seed", config.get("seed"), seed),
         ("--time-budget", config.get("time_budget"), budget),
+        # the baselines are this module's network at its size: a run of another one would be compared with them
+        ("--arch", config.get("arch"), ARCH),
+        ("--image-size", config.get("image_size"), IMAGE_SIZE),
+        ("--stem", config.get("stem"), "imagenet"),
     ):
         if value != wanted:
             raise SystemExit(f"--from-runs: {run_dir} ran with {option} {value}, not {wanted}")
@@ -378,8 +382,10 @@ def main(argv: list[str] | None = None) -> dict:
             ended = [finished_run(folder, seed, args.budget) for seed, folder in folders.items() if folder.exists()]
             if not ended:
                 raise SystemExit(f"--from-runs: no run folder for {name} ({', '.join(map(str, folders.values()))})")
-            print(f"{name}: the runs of seeds {[r['seed'] for r, _, _ in ended]}", flush=True)
             _, train, knn = ended[0]
+            if any((t, k) != (train, knn) for _, t, k in ended):
+                raise SystemExit(f"--from-runs: the runs of {name} trained or evaluated on different folders")
+            print(f"{name}: the runs of seeds {[r['seed'] for r, _, _ in ended]}", flush=True)
         else:
             name, train, knn = dataset_folders(spec, work)
         entry = report["datasets"][name] = {
