@@ -163,36 +163,31 @@ def run_one(
     tic = time.perf_counter()
     with open(work / f"{name}-{recipe}-s{seed}.log", "w") as log, exclusive(lock):
         returncode = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO).returncode
-    config = json.loads((out / "config.json").read_text()) if (out / "config.json").exists() else {}
-    result = {
-        "seed": seed,
-        "args": args,
-        "returncode": returncode,
-        "wall_seconds": time.perf_counter() - tic,
-        "derived": {k: v["value"] for k, v in config.get("derived", {}).items()},
-        **read_curve(out / "metrics.jsonl"),
-    }
+    wall = time.perf_counter() - tic
+    result = {"seed": seed, "args": args, "returncode": returncode, "wall_seconds": wall, **run_report(out)[1]}
     print(
         f"{name} {recipe} seed {seed}: rc {returncode}, k-NN {[(m, round(a, 3)) for m, a in result['knn']]}", flush=True
     )
     return result
 
 
+def run_report(run_dir: Path) -> tuple[dict, dict]:
+    """``(config, report)`` of a run folder: its ``config.json`` (``{}`` when missing) and what a curve's entry
+    holds of it, the values the recipe derived and the curves (:func:`read_curve`)."""
+    config_path = run_dir / "config.json"
+    config = json.loads(config_path.read_text()) if config_path.exists() else {}
+    derived = {k: v["value"] for k, v in config.get("derived", {}).items()}
+    return config, {"derived": derived, **read_curve(run_dir / "metrics.jsonl")}
+
+
 def finished_run(run_dir: Path, seed: int, budget: str) -> tuple[dict, Path, Path]:
     """A run that already ended (``--from-runs``), as :func:`run_one` reports one, with its training folder and
     its monitor's k-NN bank (``--knn-dir``, else the training folder itself, as ``moco train`` picks it). Its
     ``--seed`` and ``--time-budget`` must be ``seed`` and ``budget``: the plot says so."""
-    config_path = run_dir / "config.json"
-    if not config_path.is_file():
+    if not (run_dir / "config.json").is_file():
         raise SystemExit(f"--from-runs: {run_dir} is not a `moco train` run folder (no config.json)")
-    config = json.loads(config_path.read_text())
-    result = {
-        "seed": seed,
-        "run_dir": str(run_dir),
-        "returncode": None,
-        "derived": {k: v["value"] for k, v in config.get("derived", {}).items()},
-        **read_curve(run_dir / "metrics.jsonl"),
-    }
+    config, report = run_report(run_dir)
+    result = {"seed": seed, "run_dir": str(run_dir), "returncode": None, **report}
     if not result["knn"]:
         raise SystemExit(f"--from-runs: {run_dir} has no k-NN evaluations in metrics.jsonl")
     for option, value, wanted in (
