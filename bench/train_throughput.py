@@ -61,12 +61,18 @@ def compute_only(cfg: TrainConfig, steps: int, warmup: int) -> dict:
     optimizer = variant.build_optimizer(cfg, model)
     x1 = torch.randn(cfg.batch_size, 3, cfg.image_size, cfg.image_size, device=device).contiguous(memory_format=layout)
     x2 = torch.randn_like(x1)
+    side = cfg.resolved_small_crop_size
+    small = (
+        torch.randn(cfg.small_crops * cfg.batch_size, 3, side, side, device=device).contiguous(memory_format=layout)
+        if cfg.small_crops
+        else None
+    )
     for _ in range(warmup):
-        train_step(model, optimizer, x1, x2, 1e-3, 0.99, bool(cfg.amp))
+        train_step(model, optimizer, x1, x2, 1e-3, 0.99, bool(cfg.amp), small)
     _sync(device)
     tic = time.perf_counter()
     for _ in range(steps):
-        train_step(model, optimizer, x1, x2, 1e-3, 0.99, bool(cfg.amp))
+        train_step(model, optimizer, x1, x2, 1e-3, 0.99, bool(cfg.amp), small)
     _sync(device)
     elapsed = time.perf_counter() - tic
     return _row("compute", cfg, device, steps, elapsed, optimizer)
@@ -115,9 +121,10 @@ def phases(cfg: TrainConfig, steps: int, warmup: int) -> dict:
                 _sync(device)
                 t1 = time.perf_counter()
                 x1, x2 = t.augment(pixels, sizes, t.generator)
+                small = t.augment.small_crops(pixels, sizes, t.generator)
                 _sync(device)
                 t2 = time.perf_counter()
-                train_step(t.ddp_model, t.optimizer, x1, x2, 1e-3, 0.99, t.amp)
+                train_step(t.ddp_model, t.optimizer, x1, x2, 1e-3, 0.99, t.amp, small)
                 _sync(device)
                 t3 = time.perf_counter()
                 if done >= max(1, warmup):  # the first batch starts the loader's workers: never timed
@@ -206,6 +213,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--queue-size", type=int, default=4096)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--bn-splits", type=int, default=0, help="v2: split-BN groups (0 = auto, as moco train)")
+    p.add_argument("--small-crops", type=int, default=0, help="v2: multi-crop's small crops per image (0 = none)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--amp", choices=("off", "on", "both"), default="both", help="bf16 autocast")
     p.add_argument("--compile", action="store_true")
@@ -246,6 +254,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                         compile=args.compile,
                         workers=args.workers,
                         bn_splits=args.bn_splits,
+                        small_crops=args.small_crops if version == 2 else 0,
                         knn_every=0,
                     )
                     if args.max_batch:

@@ -161,6 +161,27 @@ def test_two_views__shapes_dtypes_layout_and_the_views_differ():
     assert torch.equal(again[0], x1) and torch.equal(again[1], x2)  # the generator alone decides
 
 
+def test_small_crops__shape_areas_and_the_two_views_unchanged():
+    """Multi-crop's crops come after the two views from the same generator: the views are those of a run without
+    them; each small crop is a 5-40% part of its image at the small size."""
+    small = B.small_crops_of(B.MOCO_V2_VIEW, 3, 16)
+    assert B.small_crops_of(B.MOCO_V2_VIEW, 0, 16) is None
+    assert small.spec.crop_scale == B.SMALL_CROP_SCALE and small.spec.jitter_p == B.MOCO_V2_VIEW.jitter_p
+    with_small = B.TwoViewAugment((B.MOCO_V2_VIEW, B.MOCO_V2_VIEW), 32, torch.channels_last, small)
+    without = B.TwoViewAugment((B.MOCO_V2_VIEW, B.MOCO_V2_VIEW), 32, torch.channels_last)
+    pixels, sizes = _cached_batch(8), torch.tensor([[64, 48]] * 8)
+    gen = torch.Generator().manual_seed(0)
+    x1, x2 = with_small(pixels, sizes, gen)
+    crops = with_small.small_crops(pixels, sizes, gen)
+    plain = without(pixels, sizes, torch.Generator().manual_seed(0))
+    assert torch.equal(x1, plain[0]) and torch.equal(x2, plain[1])
+    assert without.small_crops(pixels, sizes, gen) is None
+    assert crops.shape == (24, 3, 16, 16) and crops.is_contiguous(memory_format=torch.channels_last)
+    assert not torch.allclose(crops[:8], crops[8:16])  # crop c of image n at row c * N + n: three different draws
+    p = B.sample_view(small.spec, torch.full((N_STAT,), 40.0), torch.full((N_STAT,), 40.0), torch.Generator())
+    assert p.crop_area.min() >= 0.05 - 0.01 and p.crop_area.max() <= 0.4 + 0.03
+
+
 def test_two_views__output_statistics_show_the_configured_flip_and_grayscale_rates():
     """Measured on the images themselves: a left-to-right ramp reveals flips, equal channels reveal grayscale."""
     n = 2000

@@ -1,7 +1,9 @@
-"""MoCo v2 building blocks against hand computations: InfoNCE, queue, momentum update, shuffle-BN, split-BN."""
+"""MoCo v2 building blocks against hand computations: InfoNCE, queue, momentum update, shuffle-BN, split-BN,
+multi-crop's small crops."""
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -130,6 +132,55 @@ def test_forward__returns_finite_loss_and_enqueues_keys():
     assert model.encoder_q.backbone.conv1.weight.grad is not None
     assert model.encoder_k.backbone.conv1.weight.grad is None
     assert int(model.queue_ptr) == 4 and not torch.equal(model.queue[:, :4], queue_before[:, :4])
+
+
+def test_small_crops__weigh_as_many_queries_as_they_are_and_only_the_keys_enter_the_queue():
+    """Small crops that are copies of the first view are S more copies of its query: the mean over 1 + S equal
+    losses is the two-view loss (with one BN group, whose statistics copies leave as they are). Different crops
+    change it, get gradients, and add nothing to the queue."""
+    torch.manual_seed(0)
+    backbone, feature_dim = build_resnet("resnet18", "imagenet", bn_splits=1)
+    model = MoCoV2(backbone, feature_dim, dim=8, queue_size=16)
+    x1, x2 = torch.randn(4, 3, 32, 32), torch.randn(4, 3, 32, 32)
+    losses = {}
+    for name, small in (("two views", None), ("copies", x1.repeat(3, 1, 1, 1)), ("crops", torch.randn(12, 3, 16, 16))):
+        torch.manual_seed(1)  # the same shuffle-BN permutation in each
+        losses[name] = copy.deepcopy(model)(x1, x2, 0.99, small)
+    assert losses["copies"].item() == pytest.approx(losses["two views"].item(), rel=1e-5)
+    assert abs(losses["crops"].item() - losses["two views"].item()) > 1e-3
+    trained, two_views = copy.deepcopy(model), copy.deepcopy(model)
+    torch.manual_seed(1)
+    trained(x1, x2, 0.99, 5 * torch.randn(12, 3, 16, 16)).backward()
+    torch.manual_seed(1)
+    two_views(x1, x2, 0.99)
+    assert trained.encoder_q.backbone.conv1.weight.grad is not None
+    assert int(trained.queue_ptr) == 4  # one key per image, not per crop
+    running = {k: v for k, v in trained.encoder_q.state_dict().items() if "running_" in k}
+    assert len(running) == 2 * 20  # mean and variance of ResNet-18's 20 BN layers: the full-size views' alone
+    for name, buffer in running.items():
+        assert torch.equal(buffer, two_views.encoder_q.state_dict()[name]), name
+    assert trained.encoder_q.backbone.bn1.momentum == 0.1
+
+
+def test_small_crops__config_refuses_v3_vits_and_sizes_out_of_range():
+    cfg = TrainConfig(data_dir="d", out_dir="o", image_size=32, small_crops=4)
+    assert cfg.resolved_small_crop_size == 16 and TrainConfig.from_json(cfg.to_json()) == cfg
+    assert (
+        TrainConfig(
+            data_dir="d", out_dir="o", image_size=32, small_crops=2, small_crop_size=24
+        ).resolved_small_crop_size
+        == 24
+    )
+    assert TrainConfig(data_dir="d", out_dir="o", image_size=16, small_crops=2).resolved_small_crop_size == 8
+    for changes, message in (
+        ({"moco_version": 3}, "needs MoCo v2"),
+        ({"moco_version": 3, "arch": "vit_tiny"}, "needs MoCo v2"),
+        ({"small_crop_size": 4}, "small-crop-size"),
+        ({"small_crop_size": 40}, "small-crop-size"),
+        ({"small_crops": -1}, ">= 0"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            TrainConfig(data_dir="d", out_dir="o", image_size=32, **{"small_crops": 2, **changes})
 
 
 def test_lr_schedule__warmup_then_cosine_to_zero():

@@ -158,6 +158,21 @@ def test_train__resume_gives_same_parameters_as_straight_run(shapes_dir, tmp_pat
     )
 
 
+def test_train__small_crops_resume_exactly_and_a_changed_count_is_refused(shapes_dir, tmp_path):
+    """Multi-crop's crops are drawn from each step's seeded generator, so a resumed run equals a straight one;
+    their number is part of the objective, so a rerun with another is refused."""
+    straight = train(tiny_train_config(shapes_dir, tmp_path / "straight", epochs=2, small_crops=2))
+    train(tiny_train_config(shapes_dir, tmp_path / "resumed", epochs=2, small_crops=2), stop_at_epoch=1)
+    resumed = train(tiny_train_config(shapes_dir, tmp_path / "resumed", epochs=2, small_crops=2))
+    assert straight.steps == resumed.steps == 12
+    a, b = load_checkpoint(tmp_path / "straight"), load_checkpoint(tmp_path / "resumed")
+    for name, tensor in a["model"].items():
+        assert torch.equal(tensor, b["model"][name]), name
+    assert a["config"]["small_crops"] == 2
+    with pytest.raises(Exception, match=r"was trained with small_crops=2 \(now 4\)"):
+        train(tiny_train_config(shapes_dir, tmp_path / "resumed", epochs=3, small_crops=4))
+
+
 def test_train__resume_with_different_architecture_is_refused(shapes_dir, tmp_path):
     train(tiny_train_config(shapes_dir, tmp_path / "run", epochs=2), stop_at_epoch=1)
     with pytest.raises(Exception, match="was trained with arch='resnet18'"):

@@ -4,9 +4,10 @@ The distribution is the one of torchvision's per-image transforms that MoCo v2 a
 :class:`ViewSpec` and :data:`MOCO_V2_VIEW`, :data:`MOCO_V3_VIEWS`), sampled independently for every image of
 the batch: a random resized crop, colour jitter applied with probability ``jitter_p`` (brightness, contrast,
 saturation and hue in a random order per image), grayscale, Gaussian blur, solarization and a horizontal flip.
-What changes is the cost: instead of decoding and transforming each image in a loader worker, a whole batch of
-cached uint8 pixels (:mod:`trainer.image_cache`) is transformed with a few dozen tensor operations, on the GPU
-when training runs there.
+Multi-crop (:class:`SmallCrops`) adds smaller crops of the same batch at a lower resolution. What changes is
+the cost: instead of decoding and transforming each image in a loader worker, a whole batch of cached uint8
+pixels (:mod:`trainer.image_cache`) is transformed with a few dozen tensor operations, on the GPU when training
+runs there.
 
 Two details make the batched version equal to the per-image one:
 
@@ -73,6 +74,28 @@ def adapted_views(
     if blur is False:
         views = tuple(dataclasses.replace(v, blur_p=0.0) for v in views)
     return views
+
+
+# The areas of multi-crop's small crops (Caron et al. 2020, SwAV; this range is DINO's): a twentieth to two fifths
+# of the image, so each shows a part of the object that its query must match to the other view's key.
+SMALL_CROP_SCALE = (0.05, 0.4)
+
+
+@dataclass(frozen=True)
+class SmallCrops:
+    """Multi-crop's extra views: ``count`` crops of ``size`` pixels per image, drawn from ``spec``."""
+
+    count: int
+    size: int
+    spec: ViewSpec
+
+
+def small_crops_of(view: ViewSpec, count: int, size: int) -> SmallCrops | None:
+    """``count`` small crops of ``size`` px with ``view``'s colour, blur and flip and :data:`SMALL_CROP_SCALE`'s
+    areas (None when ``count`` is 0: two views only)."""
+    if not count:
+        return None
+    return SmallCrops(count, size, dataclasses.replace(view, crop_scale=SMALL_CROP_SCALE))
 
 
 def blur_kernel_size(image_size: int) -> int:
@@ -320,6 +343,7 @@ class TwoViewAugment:
         views: the two :class:`ViewSpec` (the same one twice for MoCo v2).
         image_size: output side in pixels.
         memory_format: layout of the outputs (channels-last for ResNets).
+        small: multi-crop's small crops (:meth:`small_crops`), or None.
     """
 
     def __init__(
@@ -327,10 +351,12 @@ class TwoViewAugment:
         views: tuple[ViewSpec, ViewSpec],
         image_size: int,
         memory_format: torch.memory_format = torch.contiguous_format,
+        small: SmallCrops | None = None,
     ):
         self.views = views
         self.image_size = image_size
         self.memory_format = memory_format
+        self.small = small
 
     def __call__(
         self, pixels: torch.Tensor, sizes: torch.Tensor, gen: torch.Generator
@@ -343,12 +369,23 @@ class TwoViewAugment:
         Returns:
             ``(x1, x2)``: float32 ``[N, 3, image_size, image_size]`` each, normalized with the ImageNet mean/std.
         """
+        x1, x2 = self._views(pixels, sizes, gen, self.views, self.image_size)
+        return x1, x2
+
+    def small_crops(self, pixels: torch.Tensor, sizes: torch.Tensor, gen: torch.Generator) -> torch.Tensor | None:
+        """The small crops of the same batch (draw them after the two views, so that those stay as they were):
+        float32 ``[count * N, 3, size, size]``, crop ``c`` of image ``n`` at row ``c * N + n``; None without."""
+        if self.small is None:
+            return None
+        return torch.cat(self._views(pixels, sizes, gen, (self.small.spec,) * self.small.count, self.small.size))
+
+    def _views(self, pixels, sizes, gen, specs, size) -> list[torch.Tensor]:
         x = pixels.permute(0, 3, 1, 2).float().div_(255)
         widths, heights = sizes[:, 0].float(), sizes[:, 1].float()
         mean = torch.tensor(IMAGENET_MEAN, device=x.device).view(1, 3, 1, 1)
         std = torch.tensor(IMAGENET_STD, device=x.device).view(1, 3, 1, 1)
         out = []
-        for spec in self.views:
-            view = apply_view(x, sample_view(spec, widths, heights, gen), self.image_size)
+        for spec in specs:
+            view = apply_view(x, sample_view(spec, widths, heights, gen), size)
             out.append(((view - mean) / std).contiguous(memory_format=self.memory_format))
-        return out[0], out[1]
+        return out

@@ -55,6 +55,8 @@ RESUME_MUST_MATCH = (
     "recipe",
     "time_budget",
     "init",
+    "small_crops",
+    "small_crop_size",
 )
 GROUPS = ("model", "recipe and schedule", "running", "k-NN monitor")
 
@@ -223,6 +225,17 @@ class TrainConfig:
         "recipe and schedule",
         action=argparse.BooleanOptionalAction,
     )
+    small_crops: int = option(
+        0,
+        "multi-crop: this many extra crops per image of 5-40%% of its area, at --small-crop-size, each a query "
+        "against the key of the second view (MoCo v2 only; default 0: the paper's two views)",
+        "recipe and schedule",
+    )
+    small_crop_size: int = option(
+        0,
+        "side of the small crops in pixels, 8 to --image-size (default 0: half of --image-size)",
+        "recipe and schedule",
+    )
     # -- running ------------------------------------------------------------------------------------------------
     workers: int = option(
         _default_workers,
@@ -322,6 +335,8 @@ class TrainConfig:
             "queue_size",
             "patch_size",
             "save_every_steps",
+            "small_crops",
+            "small_crop_size",
         ):
             value = getattr(self, name)
             if value is not None and value < 0:
@@ -333,6 +348,12 @@ class TrainConfig:
                 f"--patch-size {self.resolved_patch_size} leaves fewer than 4 patches in a "
                 f"{self.image_size} px image; use --patch-size {max(1, self.image_size // 8)} "
                 f"or larger images"
+            )
+        if self.small_crops and (self.moco_version != 2 or self.arch in VITS):
+            raise ConfigError("--small-crops needs MoCo v2 with a ResNet (--moco-version 2)")
+        if self.small_crop_size and not 8 <= self.small_crop_size <= (self.image_size or self.small_crop_size):
+            raise ConfigError(
+                f"--small-crop-size must be at least 8 and at most --image-size, got {self.small_crop_size}"
             )
         if self.crop_min_scale is not None and not 0.0 < self.crop_min_scale <= 1.0:
             raise ConfigError(f"--crop-min-scale must be in (0, 1], got {self.crop_min_scale}")
@@ -372,6 +393,11 @@ class TrainConfig:
         if self.patch_size:
             return self.patch_size
         return 4 if self.image_size <= 32 else 8 if self.image_size <= 96 else 16
+
+    @property
+    def resolved_small_crop_size(self) -> int:
+        """The side of multi-crop's small crops: as configured, or half of ``image_size``."""
+        return self.small_crop_size or self.image_size // 2
 
     @property
     def resolved_stem(self) -> str:

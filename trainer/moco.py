@@ -11,6 +11,7 @@ Empirical Study of Training Self-Supervised Vision Transformers" (MoCo v3).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import torch
@@ -80,6 +81,21 @@ def batch_unshuffle(x: torch.Tensor, idx_unshuffle: torch.Tensor) -> torch.Tenso
     return x_all[this_rank]
 
 
+@contextlib.contextmanager
+def running_statistics_frozen(module: nn.Module):
+    """Inside, ``module``'s BatchNorm layers normalise with their batch's statistics as in training but leave
+    their running statistics (what export and evaluation use) unchanged."""
+    norms = [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    saved = [m.momentum for m in norms]
+    for m in norms:
+        m.momentum = 0.0  # running = (1 - 0) * running + 0 * batch
+    try:
+        yield
+    finally:
+        for m, momentum in zip(norms, saved):
+            m.momentum = momentum
+
+
 def momentum_update_(key_params: list[torch.Tensor], query_params: list[torch.Tensor], m: float) -> None:
     """In place, for each pair: ``key = m * key + (1 - m) * query``."""
     torch._foreach_mul_(key_params, m)
@@ -114,8 +130,9 @@ class MoCo(nn.Module):
         """Key encoder parameters <- m * key + (1 - m) * query."""
         momentum_update_(list(self.encoder_k.parameters()), list(self.encoder_q.parameters()), m)
 
-    def forward(self, x1: torch.Tensor, x2: torch.Tensor, m: float) -> torch.Tensor:
-        """Return the loss for two views ``x1``, ``x2`` ([N, 3, H, W]) with key-encoder momentum ``m``."""
+    def forward(self, x1: torch.Tensor, x2: torch.Tensor, m: float, small: torch.Tensor | None = None) -> torch.Tensor:
+        """Return the loss for two views ``x1``, ``x2`` ([N, 3, H, W]) with key-encoder momentum ``m`` (and
+        multi-crop's ``small`` crops, [S*N, 3, h, w], where the variant takes them)."""
         raise NotImplementedError
 
 
@@ -150,8 +167,12 @@ class MoCoV2(MoCo):
         self.queue[:, ptr : ptr + batch_size] = keys.T.to(self.queue.dtype)
         self.queue_ptr[0] = (ptr + batch_size) % queue_size  # wraps to 0 when the queue is full
 
-    def forward(self, x1: torch.Tensor, x2: torch.Tensor, m: float) -> torch.Tensor:
-        """InfoNCE loss of queries from ``x1`` against the positive keys from ``x2`` and the queue."""
+    def forward(self, x1: torch.Tensor, x2: torch.Tensor, m: float, small: torch.Tensor | None = None) -> torch.Tensor:
+        """InfoNCE loss of queries from ``x1`` against the positive keys from ``x2`` and the queue.
+
+        With multi-crop, ``small`` ([S*N, 3, h, w], crop ``s`` of image ``n`` at row ``s * N + n``) adds S more
+        queries per image against the same key, and the loss is the mean over all 1 + S queries; only ``x2``'s
+        keys enter the queue, and only full-size views move BN's running statistics (what the export keeps)."""
         q = F.normalize(self.encoder_q(x1), dim=1)  # queries: NxC
 
         with torch.no_grad():
@@ -160,8 +181,15 @@ class MoCoV2(MoCo):
             k = F.normalize(self.encoder_k(x2), dim=1)  # keys: NxC
             k = batch_unshuffle(k, idx_unshuffle)
 
-        logits, labels = info_nce_logits(q, k.to(q.dtype), self.queue.clone().detach().to(q.dtype), self.temperature)
+        queue = self.queue.clone().detach().to(q.dtype)
+        logits, labels = info_nce_logits(q, k.to(q.dtype), queue, self.temperature)
         loss = F.cross_entropy(logits.float(), labels)
+        if small is not None:
+            n_small = small.shape[0] // q.shape[0]
+            with running_statistics_frozen(self.encoder_q):
+                q_small = F.normalize(self.encoder_q(small), dim=1)  # the small crops' queries: (S*N)xC
+            logits, labels = info_nce_logits(q_small, k.to(q.dtype).repeat(n_small, 1), queue, self.temperature)
+            loss = (loss + n_small * F.cross_entropy(logits.float(), labels)) / (1 + n_small)
         self.dequeue_and_enqueue(k)
         return loss
 
@@ -233,8 +261,11 @@ class MoCoV3(MoCo):
     def build_projector(self, in_dim: int, hidden_dim: int, out_dim: int) -> nn.Module:
         return build_mlp(self.projector_layers, in_dim, hidden_dim, out_dim, last_bn=True)
 
-    def forward(self, x1: torch.Tensor, x2: torch.Tensor, m: float) -> torch.Tensor:
-        """Symmetric loss: queries of each view against the keys of the other view (2T-scaled, summed)."""
+    def forward(self, x1: torch.Tensor, x2: torch.Tensor, m: float, small: torch.Tensor | None = None) -> torch.Tensor:
+        """Symmetric loss: queries of each view against the keys of the other view (2T-scaled, summed). No
+        multi-crop (``TrainConfig`` refuses small crops for v3)."""
+        if small is not None:
+            raise ValueError("MoCo v3 takes no small crops")
         q1 = self.predictor(self.encoder_q(x1))  # queries: NxC
         q2 = self.predictor(self.encoder_q(x2))
 

@@ -27,7 +27,7 @@ from moco_retrieval.contracts.atomic import check_writable, link_or_copy_atomic,
 from moco_retrieval.contracts.errors import ConfigError, DataError
 from moco_retrieval.contracts.images import no_images_message, walk_image_files
 from moco_retrieval.trainer import dist
-from moco_retrieval.trainer.batch_augment import TwoViewAugment, adapted_views
+from moco_retrieval.trainer.batch_augment import TwoViewAugment, adapted_views, small_crops_of
 from moco_retrieval.trainer.checkpoint import (
     LAST,
     checkpoint_dict,
@@ -310,9 +310,9 @@ def _build_loader(
     loader = training_loader(
         dataset, cfg.batch_size // world, loader_workers, rank, world, cfg.seed, device.type == "cuda"
     )
-    return loader, TwoViewAugment(
-        adapted_views(variant.views(), cfg.crop_min_scale, cfg.blur), cfg.image_size, variant.memory_format
-    )
+    views = adapted_views(variant.views(), cfg.crop_min_scale, cfg.blur)
+    small = small_crops_of(views[0], cfg.small_crops, cfg.resolved_small_crop_size)
+    return loader, TwoViewAugment(views, cfg.image_size, variant.memory_format, small)
 
 
 def _plan(
@@ -483,9 +483,10 @@ def train_step(
     lr: float,
     m: float,
     amp: bool,
+    small: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One optimizer step on two augmented views ``[N, 3, H, W]`` at learning rate ``lr`` and key momentum
-    ``m``; returns the (detached) loss.
+    """One optimizer step on two augmented views ``[N, 3, H, W]`` (and multi-crop's ``small`` crops,
+    ``[S*N, 3, h, w]``) at learning rate ``lr`` and key momentum ``m``; returns the (detached) loss.
 
     Raises:
         ConfigError: the loss is not finite (the learning rate is too high for this model).
@@ -493,7 +494,7 @@ def train_step(
     for group in optimizer.param_groups:
         group["lr"] = lr
     with torch.autocast(x1.device.type, dtype=torch.bfloat16, enabled=amp):
-        loss = model(x1, x2, m)
+        loss = model(x1, x2, m) if small is None else model(x1, x2, m, small)
     if not torch.isfinite(loss):
         raise ConfigError(f"loss became {loss.item()}; lower --lr or train without bf16 (--no-amp)")
     optimizer.zero_grad(set_to_none=True)
@@ -591,9 +592,11 @@ def run_epoch(t: Trainee, p: Progress, epoch: int, end_step: int) -> dict:
         for pixels, sizes, _, _ in bar:
             t.generator.manual_seed(_step_seed(cfg.seed, p.step, rank))
             pixels = pixels.to(t.device, non_blocking=True)
-            x1, x2 = t.augment(pixels, sizes.to(t.device), t.generator)
+            sizes = sizes.to(t.device)
+            x1, x2 = t.augment(pixels, sizes, t.generator)
+            small = t.augment.small_crops(pixels, sizes, t.generator)
             lr, m = p.schedule.lr(p.step), p.schedule.momentum(p.step)
-            loss = train_step(t.ddp_model, t.optimizer, x1, x2, lr, m, t.amp)
+            loss = train_step(t.ddp_model, t.optimizer, x1, x2, lr, m, t.amp, small)
             losses.append(float(loss))
             p.step += 1
             p.batch_in_epoch += 1
