@@ -228,12 +228,12 @@ class TrainConfig:
     small_crops: int = option(
         0,
         "multi-crop: this many extra crops per image of 5-40%% of its area, at --small-crop-size, each a query "
-        "against the key of the second view (MoCo v2 only; default 0: the paper's two views)",
+        "against the key of the second view (MoCo v2 only; 0: the paper's two views)",
         "recipe and schedule",
     )
     small_crop_size: int = option(
         0,
-        "side of the small crops in pixels, 8 to --image-size (default 0: half of --image-size)",
+        "side of the small crops in pixels, 8 to --image-size (0: half of --image-size)",
         "recipe and schedule",
     )
     # -- running ------------------------------------------------------------------------------------------------
