@@ -13,7 +13,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def register(sub) -> None:
-    from moco_retrieval.app.demo import DEMO_EPOCHS
+    from moco_retrieval.app.demo import DEMO_EPOCHS, DEMO_STEPS
 
     p = sub.add_parser(
         "demo",
@@ -27,8 +27,8 @@ def register(sub) -> None:
         "--time-budget",
         default=None,
         metavar="DURATION",
-        help=f"train for this long (e.g. 5m) instead of the default {DEMO_EPOCHS} epochs (432 steps of 256 "
-        "images, about 3.5 minutes on 2 CPU cores)",
+        help=f"train for this long (e.g. 5m) instead of the default {DEMO_EPOCHS} epochs ({DEMO_STEPS} steps of "
+        "256 images; the whole demo takes about 4 minutes on 2 CPU cores)",
     )
     p.add_argument("--device", default="auto", help="auto, cpu or cuda (default auto)")
     p.add_argument(

@@ -17,7 +17,8 @@ DEMO_IMAGE_SIZE = 32
 # A fixed length, not a time budget: where a short run ends on its curve depends steeply on its step count (on
 # 2 CPU cores a 150 s budget made 1,340 steps and 73.2% in one run, 1,130 steps and 56.7% in another), so the
 # demo trains a fixed number of steps and shows the same result on every machine of a kind, only slower or faster.
-DEMO_EPOCHS = 72  # 432 steps at the auto batch of 256 (MoCo v2 on a CPU; 6 steps per epoch)
+DEMO_EPOCHS = 96
+DEMO_STEPS = DEMO_EPOCHS * 6  # at the auto batch of 256 (MoCo v2 on a CPU): 6 steps an epoch of 1,600 images
 
 
 def demo_train_config(out: Path, budget: str | None, device: str, epochs: int = DEMO_EPOCHS) -> TrainConfig:
