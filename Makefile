@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
-demo: install  # trains 432 steps of 256 images: about 5 minutes on 2 CPU cores (install excluded)
+demo: install  # trains 576 steps of 256 images: about 4 minutes on 2 CPU cores (install excluded)
 	$(BIN)/moco demo --out demo --no-serve
 
 serve-demo: install  # the web app and JSON API over the demo's index, at http://127.0.0.1:7860/
