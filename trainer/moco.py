@@ -181,14 +181,14 @@ class MoCoV2(MoCo):
             k = F.normalize(self.encoder_k(x2), dim=1)  # keys: NxC
             k = batch_unshuffle(k, idx_unshuffle)
 
-        queue = self.queue.clone().detach().to(q.dtype)
-        logits, labels = info_nce_logits(q, k.to(q.dtype), queue, self.temperature)
+        queue, positives = self.queue.clone().detach().to(q.dtype), k.to(q.dtype)
+        logits, labels = info_nce_logits(q, positives, queue, self.temperature)
         loss = F.cross_entropy(logits.float(), labels)
         if small is not None:
             n_small = small.shape[0] // q.shape[0]
             with running_statistics_frozen(self.encoder_q):
                 q_small = F.normalize(self.encoder_q(small), dim=1)  # the small crops' queries: (S*N)xC
-            logits, labels = info_nce_logits(q_small, k.to(q.dtype).repeat(n_small, 1), queue, self.temperature)
+            logits, labels = info_nce_logits(q_small, positives.repeat(n_small, 1), queue, self.temperature)
             loss = (loss + n_small * F.cross_entropy(logits.float(), labels)) / (1 + n_small)
         self.dequeue_and_enqueue(k)
         return loss

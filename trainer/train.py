@@ -494,7 +494,7 @@ def train_step(
     for group in optimizer.param_groups:
         group["lr"] = lr
     with torch.autocast(x1.device.type, dtype=torch.bfloat16, enabled=amp):
-        loss = model(x1, x2, m) if small is None else model(x1, x2, m, small)
+        loss = model(x1, x2, m, small)
     if not torch.isfinite(loss):
         raise ConfigError(f"loss became {loss.item()}; lower --lr or train without bf16 (--no-amp)")
     optimizer.zero_grad(set_to_none=True)
