@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -280,6 +281,21 @@ def test_train__ctrl_c_saves_mid_epoch_and_rerun_finishes_the_same_schedule(shap
     assert rerun.returncode == 0, rerun.stderr[-2000:]
     final = load_checkpoint(run)
     assert final["epoch"] == 1 and final["batch_in_epoch"] == 0 and final["step"] == 12  # no batch lost or repeated
+    saved_at = re.search(r"interrupted: saved \S+ at (step .*)", err).group(1)
+    resumed_at = re.search(r"resuming \S+ at (step .*)", rerun.stderr).group(1)
+    assert saved_at == resumed_at == f"step {ckpt['step']} (epoch 1, {ckpt['step']} of 12 batches done)"
+
+
+def test_position_text__a_finished_epoch_reads_as_the_next_one_with_no_batch_done():
+    """The interrupt and the resume say a run's position through this one function (they once differed by an
+    epoch for the same checkpoint)."""
+    from moco_retrieval.trainer.train import Progress, position_text
+
+    def at(epoch, batch, step):
+        return position_text(Progress(None, None, None, {}, epoch=epoch, batch_in_epoch=batch, step=step), 6)
+
+    assert at(5, 0, 30) == at(4, 6, 30) == "step 30 (epoch 6, 0 of 6 batches done)"
+    assert at(5, 3, 33) == "step 33 (epoch 6, 3 of 6 batches done)"
 
 
 def test_train__ctrl_c_between_epochs_keeps_the_finished_epoch(shapes_dir, tmp_path, monkeypatch):

@@ -138,6 +138,15 @@ class Progress:
     last_plot: float = 0.0
 
 
+def position_text(p: Progress, steps_per_epoch: int) -> str:
+    """Where a run stands, as the interrupt and the resume both say it: ``step 30 (epoch 6, 0 of 6 batches
+    done)``; the epoch counts from 1, and a finished epoch reads as the next one with no batch done."""
+    epoch, batch = p.epoch, p.batch_in_epoch
+    if batch >= steps_per_epoch:
+        epoch, batch = epoch + 1, 0
+    return f"step {p.step} (epoch {epoch + 1}, {batch} of {steps_per_epoch} batches done)"
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
@@ -418,13 +427,7 @@ def setup(
         progress.epoch, progress.batch_in_epoch = progress.epoch + 1, 0
     if is_main:
         if ckpt is not None:
-            LOG.info(
-                "resuming %s from epoch %d, batch %d (step %d)",
-                run_dir,
-                progress.epoch + 1 if progress.batch_in_epoch else progress.epoch,
-                progress.batch_in_epoch,
-                progress.step,
-            )
+            LOG.info("resuming %s at %s", run_dir, position_text(progress, steps_per_epoch))
             _truncate_metrics(run_dir / METRICS, progress.step)
         else:  # a run killed before its first checkpoint left rows: this one logs them again
             _truncate_metrics(run_dir / METRICS, -1)
@@ -677,13 +680,7 @@ def _save_on_interrupt(t: Trainee, p: Progress) -> None:
     under DDP other ranks may be inside a collective)."""
     if t.is_main and dist.world_size() == 1 and p.step > p.saved_step:
         save(t, p)
-        LOG.warning(
-            "interrupted: saved %s at epoch %d, batch %d (step %d)",
-            t.run_dir / LAST,
-            p.epoch + 1,
-            p.batch_in_epoch,
-            p.step,
-        )
+        LOG.warning("interrupted: saved %s at %s", t.run_dir / LAST, position_text(p, t.steps_per_epoch))
 
 
 # -- the run --------------------------------------------------------------------------------------------------------
