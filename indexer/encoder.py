@@ -52,15 +52,20 @@ def _read_metadata_props(source: Path | bytes, where: str) -> dict[str, str]:
             source if isinstance(source, bytes) else str(source), options, providers=["CPUExecutionProvider"]
         )
     except Exception as exc:  # onnxruntime's InvalidProtobuf, Fail, InvalidGraph ...: no common base
-        if "protobuf" in str(exc).lower():
-            raise ArtifactError(
-                f"{where} is not a readable ONNX file ({type(exc).__name__}); pass an encoder.onnx from `moco export`"
-            ) from exc
-        raise ArtifactError(
-            f"{where} cannot be loaded by ONNX Runtime ({str(exc).splitlines()[0][:200]}); "
-            "export it again with `moco export`"
-        ) from exc
+        raise _unloadable(exc, where) from exc
     return dict(session.get_modelmeta().custom_metadata_map)
+
+
+def _unloadable(exc: Exception, where: str) -> ArtifactError:
+    """The one-line error for a file ONNX Runtime refused: not ONNX at all, or a graph it cannot run."""
+    if "protobuf" in str(exc).lower():
+        return ArtifactError(
+            f"{where} is not a readable ONNX file ({type(exc).__name__}); pass an encoder.onnx from `moco export`"
+        )
+    return ArtifactError(
+        f"{where} cannot be loaded by ONNX Runtime ({str(exc).splitlines()[0][:200]}); "
+        "export it again with `moco export`"
+    )
 
 
 def _check_file(path: Path) -> None:
@@ -219,19 +224,20 @@ class OnnxEncoder:
         _check_file(self.path)
         data = self.path.read_bytes()
         self.sha256 = hashlib.sha256(data).hexdigest()
-        self.metadata = validate_metadata(_read_metadata_props(data, str(self.path)), str(self.path))
+        try:  # the metadata comes from this session: a second, metadata-only one cost 0.05 s of every start
+            self.session, self.provider = open_session(data, device, threads, spin)
+        except ConfigError:  # --device cuda refused: say so, unless the file itself is what failed
+            validate_metadata(_read_metadata_props(data, str(self.path)), str(self.path))
+            raise
+        except MocoError:
+            raise
+        except Exception as exc:  # onnxruntime's InvalidProtobuf, Fail, InvalidGraph ...: no common base
+            raise _unloadable(exc, str(self.path)) from exc
+        props = dict(self.session.get_modelmeta().custom_metadata_map)
+        self.metadata = validate_metadata(props, str(self.path))
         self.image_size = self.metadata["image_size"]
         self.embedding_dim = self.metadata["embedding_dim"]
         self.resize = self.metadata["resize"]
-        try:
-            self.session, self.provider = open_session(data, device, threads, spin)
-        except MocoError:
-            raise
-        except Exception as exc:  # onnxruntime's Fail, InvalidGraph ...: a graph it cannot run (no common base)
-            raise ArtifactError(
-                f"{self.path} cannot be loaded by ONNX Runtime ({str(exc).splitlines()[0][:200]}); "
-                "export it again with `moco export`"
-            ) from exc
         inputs, outputs = self.session.get_inputs(), self.session.get_outputs()
         if [i.name for i in inputs] != [INPUT_NAME] or OUTPUT_NAME not in [o.name for o in outputs]:
             raise ArtifactError(

@@ -141,6 +141,8 @@ def test_encoder__rejects_missing_foreign_and_newer_files(exported, tmp_path):
     (tmp_path / "junk.onnx").write_bytes(b"\x08\x07junk that is not protobuf" * 3)
     with pytest.raises(ArtifactError, match="not a readable ONNX file|not a moco-retrieval encoder"):
         OnnxEncoder(tmp_path / "junk.onnx")
+    with pytest.raises(ArtifactError, match="not a readable ONNX file"):  # the file, not the GPU, is at fault
+        OnnxEncoder(tmp_path / "junk.onnx", device="cuda")
     plain = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(12, 4))  # a valid ONNX file, not ours
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # the TorchScript exporter announces its removal
