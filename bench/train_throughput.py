@@ -56,8 +56,7 @@ def compute_only(cfg: TrainConfig, steps: int, warmup: int) -> dict:
     layout = variant.memory_format
     model = variant.build_model(cfg, _bn_splits(cfg)).to(device, memory_format=layout)
     if cfg.compile:
-        model.encoder_q.compile()
-        model.encoder_k.compile()
+        model.compile_encoders()
     optimizer = variant.build_optimizer(cfg, model)
     x1 = torch.randn(cfg.batch_size, 3, cfg.image_size, cfg.image_size, device=device).contiguous(memory_format=layout)
     x2 = torch.randn_like(x1)

@@ -298,8 +298,7 @@ def _build_model(
         # conversion reuses the Parameter objects: the optimizer stays valid
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     if cfg.compile:
-        model.encoder_q.compile()
-        model.encoder_k.compile()
+        model.compile_encoders()
     ddp_model = model
     if world > 1:
         ddp_model = DistributedDataParallel(
