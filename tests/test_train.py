@@ -67,6 +67,29 @@ def test_train__queue_not_multiple_of_batch_is_refused(shapes_dir, tmp_path, cap
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a usable GPU")
+def test_smallest_strided_map__resnet18_reads_1x1_up_to_16_px_with_the_imagenet_stem():
+    from moco_retrieval.trainer.backbones import build_resnet, smallest_strided_map
+
+    imagenet, _ = build_resnet("resnet18", "imagenet")
+    small, _ = build_resnet("resnet18", "small")
+    assert [smallest_strided_map(imagenet, s) for s in (16, 17, 32, 33)] == [1, 2, 2, 3]
+    assert smallest_strided_map(small, 8) == 2  # the small stem keeps 8x the map: never 1x1 at our sizes
+    assert imagenet.training  # the probe leaves the mode as it found it
+
+
+def test_train__amp_on_a_cpu_where_a_strided_convolution_reads_1x1_is_refused_before_the_run_directory(
+    shapes_dir, tmp_path, capsys
+):
+    """bf16 on the CPU (oneDNN) returns garbage weight gradients for a padded, strided convolution of a 1x1 map
+    (measured: up to 1e38, now and then); MoCo v2 with --amp --small-crops 2 (16 px) ended with a NaN loss."""
+    out = tmp_path / "run"
+    argv = ["train", str(shapes_dir), "--out", str(out), "--amp", "--device", "cpu", "--batch-size", "16"]
+    assert main([*argv, "--queue-size", "32", "--small-crops", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "at 16 px a strided convolution of resnet18 reads a 1x1 map" in err, err
+    assert "at 17 px and more" in err and not out.exists()
+
+
 def test_train__cuda_without_gpu_is_refused(shapes_dir, tmp_path):
     proc = subprocess.run(
         [

@@ -165,3 +165,24 @@ def build_vit(arch: str, image_size: int, patch_size: int = 16) -> tuple[nn.Modu
     for p in (model.pos_embed, proj.weight, proj.bias):
         p.requires_grad = False
     return model, embed_dim
+
+
+@torch.no_grad()
+def smallest_strided_map(backbone: nn.Module, image_size: int) -> int:
+    """The smallest side of a map that a padded, strided convolution of ``backbone`` reads, for a square
+    ``image_size`` px input: one forward of a blank image in eval mode (running statistics untouched), on the
+    backbone's device. ResNet-18 with the ImageNet stem reads a 1x1 map at up to 16 px (layer4's first
+    convolution), 2x2 from 17 px; ``image_size`` itself when no such convolution exists (a ViT's patches)."""
+    sides = [image_size]
+    convs = [m for m in backbone.modules() if isinstance(m, nn.Conv2d) and max(m.stride) > 1 and max(m.padding) > 0]
+    hooks = [m.register_forward_pre_hook(lambda _, args: sides.append(min(args[0].shape[-2:]))) for m in convs]
+    was_training = backbone.training
+    param = next(backbone.parameters())
+    try:
+        backbone.eval()
+        backbone(torch.zeros(1, 3, image_size, image_size, device=param.device, dtype=param.dtype))
+    finally:
+        backbone.train(was_training)
+        for h in hooks:
+            h.remove()
+    return min(sides)

@@ -245,7 +245,9 @@ class TrainConfig:
     device: str = option("auto", "auto (GPU when usable), cpu, cuda or cuda:N", "running")
     amp: bool | None = option(
         None,
-        f"bfloat16 mixed precision (default: on for GPUs, off on CPUs: {CPU_FP32_WHY}; --no-amp refuses it)",
+        f"bfloat16 mixed precision (default: on for GPUs, off on CPUs: {CPU_FP32_WHY}; --no-amp refuses it; "
+        "refused on a CPU at sizes where a ResNet's strided convolution reads a 1x1 map, 16 px and less with "
+        "the ImageNet stem: its bf16 gradients there are garbage)",
         "running",
         action=argparse.BooleanOptionalAction,
     )

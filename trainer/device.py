@@ -36,6 +36,30 @@ def cpu_has_native_bf16() -> bool:
     return any(flag in flags for flag in ("avx512_bf16", "amx_bf16"))
 
 
+def check_cpu_bf16_shapes(backbone: torch.nn.Module, sizes: list[int], arch: str) -> None:
+    """Refuse bf16 autocast on a CPU for inputs where a strided convolution of ``backbone`` reads a 1x1 map
+    (``sizes``: the training size and multi-crop's small size). There oneDNN's bf16 convolution returns
+    garbage weight gradients now and then: a 3x3, stride-2, padded convolution of a [64, 256, 1, 1] batch
+    gave gradients off by up to 1e38 in some of 200 identical backward passes (PyTorch 2.14, this VM's Xeon;
+    none at 2x2 or 4x4), and MoCo v2 with ``--amp --small-crops 2`` (16 px) stopped with a NaN loss in 2 of 7
+    runs and trained differently in every other.
+
+    Raises:
+        ConfigError: naming the size and the smallest that works.
+    """
+    from moco_retrieval.trainer.backbones import smallest_strided_map
+
+    for size in sorted(set(sizes)):
+        if smallest_strided_map(backbone, size) > 1:
+            continue
+        works = next((s for s in range(size + 1, 1025) if smallest_strided_map(backbone, s) > 1), None)
+        raise ConfigError(
+            f"--amp on a CPU: at {size} px a strided convolution of {arch} reads a 1x1 map, where bf16 on the "
+            f"CPU returns garbage gradients; train without --amp"
+            + (f", or at {works} px and more (--image-size, --small-crop-size)" if works else "")
+        )
+
+
 def resolve_amp(requested: bool | None, device: torch.device) -> tuple[bool, str]:
     """``(use bf16 autocast, why)``: as requested, else on for CUDA and off on a CPU."""
     if requested is not None:

@@ -38,7 +38,7 @@ from moco_retrieval.trainer.checkpoint import (
 )
 from moco_retrieval.trainer.config import RESUME_MUST_MATCH, TrainConfig, left_to_recipe
 from moco_retrieval.trainer.data import CachedBatchDataset, epoch_sampler, training_loader
-from moco_retrieval.trainer.device import resolve_amp, resolve_device
+from moco_retrieval.trainer.device import check_cpu_bf16_shapes, resolve_amp, resolve_device
 from moco_retrieval.trainer.image_cache import ImageCache, cache_side
 from moco_retrieval.trainer.image_survey import survey_images
 from moco_retrieval.trainer.monitor import KnnMonitor
@@ -390,6 +390,10 @@ def setup(
             cache_root=cfg.cache_dir,
             workers=cfg.workers,
         )
+    amp, amp_why = resolve_amp(cfg.amp, device)
+    if amp and device.type == "cpu":  # on a throwaway network, so that a refusal leaves no run directory
+        sizes = [cfg.image_size] + ([cfg.resolved_small_crop_size] if cfg.small_crops else [])
+        check_cpu_bf16_shapes(variant.build_model(cfg).backbone, sizes, cfg.arch)
     if is_main:
         check_writable(run_dir, "run directory", "choose a writable --out")
         if lock is not None:
@@ -399,7 +403,6 @@ def setup(
     model, ddp_model, optimizer, bn_splits, init_report = _build_model(cfg, variant, device, ckpt, init)
     if init_report:
         cfg = cfg.replace(init_report=init_report)
-    amp, amp_why = resolve_amp(cfg.amp, device)
     loader, augment = _build_loader(cfg, variant, device, cached, labels)
     steps_per_epoch = len(loader)
     cfg, schedule, budget = _plan(cfg, variant, ckpt, steps_per_epoch)
