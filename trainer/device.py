@@ -52,7 +52,7 @@ def check_cpu_bf16_shapes(backbone: torch.nn.Module, sizes: list[int], arch: str
     for size in sorted(set(sizes)):
         if smallest_strided_map(backbone, size) > 1:
             continue
-        works = next((s for s in range(size + 1, 1025) if smallest_strided_map(backbone, s) > 1), None)
+        works = next((s for s in range(size + 1, 257) if smallest_strided_map(backbone, s) > 1), None)
         raise ConfigError(
             f"--amp on a CPU: at {size} px a strided convolution of {arch} reads a 1x1 map, where bf16 on the "
             f"CPU returns garbage gradients; train without --amp"
