@@ -13,7 +13,9 @@ what it does:
   `moco serve` needs; CURRENT names the live one).
 
   Rerun it on the same folder to update the index: only new or changed files are embedded, deleted files
-  are removed, and the counts of added / updated / removed / unchanged images are printed. Stop it at any
+  are removed, and the counts of added / updated / removed / unchanged images are printed. A file whose
+  mtime or label changed but whose bytes did not (a copy without -p, a checkout, an edited --labels CSV)
+  keeps its vector: its sha256 is compared with the one on record, and the encoder does not run for it. Stop it at any
   moment (Ctrl-C, kill, power loss) and rerun the same command: it resumes from the last finished shard.
   Readers (`moco serve`) see the old index or the new one, never a mix.
 
@@ -21,7 +23,8 @@ what it does:
   end and in INDEX_DIR/report.json; files with other extensions are counted there by extension.
 
   Moved or renamed the image folder? `moco index NEW_DIR --out INDEX_DIR --reattach` points the index at it:
-  files with the same relative path, size and mtime keep their ids and vectors, only the rest is embedded.
+  files with the same relative path, size and mtime keep their ids and vectors, files with the same bytes
+  keep their vectors, only the rest is embedded.
 
 updates cost what changed:
   An update shares the previous index's files and writes only a small delta (the new vectors, the removed
@@ -152,7 +155,12 @@ def print_index_result(result) -> None:
         ("exact duplicates", f"{result.duplicates}"),
         ("skipped (unreadable)", f"{len(result.skipped)}"),
         ("not images (ignored)", describe_not_images(result.not_images) if result.not_images else "0"),
-        ("embedded this run", f"{result.embedded}" + (f" (+{result.resumed} resumed)" if result.resumed else "")),
+        (
+            "embedded this run",
+            f"{result.embedded}"
+            + (f" (+{result.resumed} resumed)" if result.resumed else "")
+            + (f" (+{result.reused} unchanged bytes: vectors reused)" if result.reused else ""),
+        ),
         (
             "index",
             result.factory

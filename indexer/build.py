@@ -65,7 +65,8 @@ from moco_retrieval.indexer.plan import Plan, plan_full, plan_listed, read_chang
 from moco_retrieval.indexer.ranks import Rendezvous, part_of_plan, plan_digest
 from moco_retrieval.indexer.scan import read_labels_csv, scan_folder
 from moco_retrieval.indexer.shards import WorkShards, discard_other_models
-from moco_retrieval.indexer.vectors import block_dtype
+from moco_retrieval.indexer.reuse import reuse_stored_vectors
+from moco_retrieval.indexer.vectors import BlockVectors, block_dtype
 
 LOG = logging.getLogger(__name__)
 
@@ -309,9 +310,27 @@ def _embed_share(run: Run) -> None:
         run.shards.on_flush = rendezvous.progress
         rendezvous.progress(0)
         LOG.info("rank %d of %d: %d of the %d files to embed", world.rank, world.world_size, len(part), len(plan.todo))
-    run.embed(part)
+    run.embed(_reuse(run, part))
     if world.rank != 0:
         rendezvous.mark_done(plan_digest(part), len(part))
+
+
+def _reuse(run: Run, entries: list) -> list:
+    """``entries`` less the changed files whose bytes are the ones on record, whose stored vectors go into the
+    shards instead (:mod:`indexer.reuse`; an update only: a full build has nothing stored to reuse)."""
+    if run.base is None or not run.plan.changed_ids or not entries:
+        return entries
+    with run.clock.phase("reuse"):
+        store = _open_store(run.layout.generation(run.previous))
+        try:
+            vectors = BlockVectors(run.layout, run.base.vector_blocks)
+            left, reused = reuse_stored_vectors(
+                entries, run.plan.changed_ids, store, vectors, run.shards, run.image_root, run.cfg.progress
+            )
+        finally:
+            store.close()
+    run.reused += reused
+    return left
 
 
 def _wait_for_ranks(run: Run) -> None:
@@ -330,7 +349,7 @@ def _wait_for_ranks(run: Run) -> None:
     gaps = [e for e in plan.todo if shards.lookup(e.path, e.bytes, e.mtime_ns) is None]
     if gaps:
         LOG.warning("rank 0 embeds %d files the other ranks did not (the folder changed during the run?)", len(gaps))
-        run.embed(gaps)
+        run.embed(_reuse(run, gaps))
 
 
 # --- 3. commit -----------------------------------------------------------------------------------------------
@@ -518,6 +537,7 @@ def _result(
         duplicates=m.duplicates if m else 0,
         embedded=run.embedded,
         resumed=run.resumed,
+        reused=run.reused,
         skipped=changes.skipped,
         factory=m.factory if m else "",
         recall_at_10=m.recall_at_10 if m else None,

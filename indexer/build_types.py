@@ -55,6 +55,7 @@ class IndexResult:
     removed_count: int = 0
     not_images: dict = field(default_factory=dict)  # extension -> files of the folder passed over for it
     reattached: str | None = None  # the folder this index was built from, when this run moved it to image_dir
+    reused: int = 0  # changed files whose bytes were the ones on record: their stored vectors, not the encoder's
 
 
 class Stopwatch:
@@ -99,6 +100,7 @@ class Run:
     shards: WorkShards | None = None
     embedded: int = 0  # files decoded and embedded by this run
     resumed: int = 0  # results taken from the shards of an interrupted run
+    reused: int = 0  # changed files given their stored vectors (indexer.reuse)
     not_images: dict[str, int] = field(default_factory=dict)  # what the scan passed over, by extension
     reattached: str | None = None  # the old image folder, when --reattach moves the index here
 

@@ -231,3 +231,53 @@ def test_update__hnsw_index_type_switch_rebuilds(tmp_path):
     switched = build_index_dir(_cfg(data, emb, out, index_type="hnsw"), embedder=emb)
     assert switched.mode == "compaction" and switched.factory == "IDMap2,HNSW32"
     assert len(_check_consistent(out)) == 200
+
+
+def _vectors_by_path(out: Path) -> dict[str, np.ndarray]:
+    """path -> the stored vector of every item of the live generation."""
+    from moco_retrieval.indexer.layout import IndexLayout
+    from moco_retrieval.indexer.vectors import BlockVectors
+
+    with IndexDirectory.open(out) as d:
+        ids = d.index.ids()
+        found, vectors = BlockVectors(IndexLayout(out), d.manifest.vector_blocks).get(ids)
+        assert found.all()
+        return {rec.path: v for rec, v in zip(d.records(ids.tolist()), vectors)}
+
+
+def test_update__files_whose_bytes_did_not_change_keep_their_vectors_without_the_encoder(tmp_path):
+    """A copy without -p, a git checkout or an edited labels CSV changes a file's mtime or label, not its bytes.
+    The update compares such a file's sha256 with its record's and reuses the stored vector; only the file whose
+    bytes changed goes through the (real, ONNX) encoder."""
+    from PIL import Image
+
+    from moco_retrieval.trainer.demo_data import write_demo_dataset
+    from tests.index_fixtures import write_tiny_encoder
+
+    data = write_demo_dataset(tmp_path / "images", per_class=4, size=24, seed=0)
+    encoder = write_tiny_encoder(tmp_path / "tiny.onnx")
+    paths = sorted(p.relative_to(data).as_posix() for p in data.rglob("*.png"))
+    labels = tmp_path / "labels.csv"
+    labels.write_text("path,label\n" + "".join(f"{p},{p.split('/')[0]}\n" for p in paths))
+    out = tmp_path / "index"
+    cfg = IndexConfig(str(data), str(encoder), str(out), workers=0, progress=False, labels_csv=str(labels))
+    assert build_index_dir(cfg).count == len(paths)
+    before = _vectors_by_path(out)
+    for p in paths:  # what `cp -r` or a checkout does: new mtimes, the same bytes
+        st = (data / p).stat()
+        os.utime(data / p, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    rewritten, relabelled = paths[0], paths[1]
+    Image.new("RGB", (24, 24), (250, 10, 10)).save(data / rewritten)
+    labels.write_text(labels.read_text().replace(f"{relabelled},{relabelled.split('/')[0]}", f"{relabelled},other"))
+
+    result = build_index_dir(cfg)
+    assert (result.mode, result.updated, result.embedded, result.reused) == ("update", len(paths), 1, len(paths) - 1)
+    after = _vectors_by_path(out)
+    assert set(after) == set(paths)
+    for p in paths[1:]:
+        np.testing.assert_array_equal(after[p], before[p])
+    assert not np.allclose(after[rewritten], before[rewritten])
+    with IndexDirectory.open(out) as d:
+        assert d.record(d.id_of_path(relabelled)).label == "other"
+    again = build_index_dir(cfg)  # the records now hold the new mtimes: nothing is read again
+    assert (again.mode, again.embedded, again.reused) == ("unchanged", 0, 0)

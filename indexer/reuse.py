@@ -1,0 +1,91 @@
+"""Vectors an update need not compute again: files on the plan whose bytes are the ones on record.
+
+The plan puts a file on the to-embed list when its size, mtime or label differ from its record (``indexer.plan``
+reads only ``stat``). A copy without ``-p``, a ``git checkout``, a restore from a backup or an edited labels CSV
+change the mtime or the label and leave the bytes as they were. Before such a file is decoded, the sha256 of its
+bytes is compared with its record's. Where they agree, the vector the live generation stores for it goes into the
+work shards as if the encoder had just computed it. It is the same encoder's output: an update refuses another
+model. Nothing after the shards can tell the difference. The record is updated (new mtime or label, a new id,
+as for any changed file), with the vector it had.
+
+Only files whose record has the same size are read; a file of another size has changed.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+from tqdm import tqdm
+
+from moco_retrieval.contracts.images import FoundFile
+from moco_retrieval.indexer.decode import Decoded
+from moco_retrieval.indexer.embed import shard_entry
+from moco_retrieval.indexer.manifest import file_sha256
+from moco_retrieval.indexer.metadata import MetadataStore
+from moco_retrieval.indexer.shards import WorkShards
+from moco_retrieval.indexer.vectors import BlockVectors
+
+LOG = logging.getLogger(__name__)
+
+HASH_THREADS = 4  # file reads and sha256 both release the GIL
+
+
+def reuse_stored_vectors(
+    entries: list[FoundFile],
+    changed_ids: dict[str, int],
+    store: MetadataStore,
+    vectors: BlockVectors,
+    shards: WorkShards,
+    image_root,
+    progress: bool = True,
+) -> tuple[list[FoundFile], int]:
+    """Put into ``shards`` each of ``entries`` whose bytes hash to its record's sha256, with its stored vector.
+
+    Args:
+        changed_ids: path -> id of the record of each changed file (``Plan.changed_ids``).
+        store, vectors: the metadata and the vector blocks of the live generation.
+
+    Returns:
+        ``(the entries still to embed, in their order; how many vectors were reused)``.
+    """
+    ids = {  # changed files not already in a finished shard (of an interrupted run)
+        e.path: changed_ids[e.path]
+        for e in entries
+        if e.path in changed_ids and shards.lookup(e.path, e.bytes, e.mtime_ns) is None
+    }
+    if not ids:
+        return entries, 0
+    records = {rec.path: rec for rec in store.records(list(ids.values())) if rec is not None}
+    same_size = [e for e in entries if e.path in records and records[e.path].bytes == e.bytes]
+    if not same_size:
+        return entries, 0
+    paths = [image_root / e.path for e in same_size]
+    with ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="moco-hash") as pool:
+        digests = list(
+            tqdm(
+                pool.map(file_sha256, paths),
+                total=len(paths),
+                unit="file",
+                desc="comparing changed files",
+                disable=not progress,
+                dynamic_ncols=True,
+            )
+        )
+    same = [e for e, digest in zip(same_size, digests) if digest is not None and digest == records[e.path].sha256]
+    if not same:
+        return entries, 0
+    found, stored = vectors.get(np.asarray([records[e.path].id for e in same], dtype=np.int64))
+    reused = set()
+    for e, ok, vector in zip(same, found, stored):
+        if not ok:  # a record without a stored vector is not expected; the encoder computes it again
+            continue
+        rec = records[e.path]
+        as_decoded = Decoded(e.path, None, rec.width, rec.height, rec.bytes, rec.sha256, None, 0.0)
+        shards.add(shard_entry(e, as_decoded), vector)
+        reused.add(e.path)
+    shards.flush()
+    if reused:
+        LOG.info("%d changed files have the bytes on record: their stored vectors are reused", len(reused))
+    return [e for e in entries if e.path not in reused], len(reused)
