@@ -30,6 +30,7 @@ from moco_retrieval.indexer.vectors import BlockVectors
 LOG = logging.getLogger(__name__)
 
 HASH_THREADS = 4  # file reads and sha256 both release the GIL
+REUSE_CHUNK = 10_000  # changed files compared at a time: their records and vectors, never all of them at once
 
 
 def reuse_stored_vectors(
@@ -50,42 +51,42 @@ def reuse_stored_vectors(
     Returns:
         ``(the entries still to embed, in their order; how many vectors were reused)``.
     """
-    ids = {  # changed files not already in a finished shard (of an interrupted run)
-        e.path: changed_ids[e.path]
-        for e in entries
-        if e.path in changed_ids and shards.lookup(e.path, e.bytes, e.mtime_ns) is None
-    }
-    if not ids:
+    candidates = [  # changed files not already in a finished shard (of an interrupted run)
+        e for e in entries if e.path in changed_ids and shards.lookup(e.path, e.bytes, e.mtime_ns) is None
+    ]
+    if not candidates:
         return entries, 0
-    records = {rec.path: rec for rec in store.records(list(ids.values())) if rec is not None}
-    same_size = [e for e in entries if e.path in records and records[e.path].bytes == e.bytes]
-    if not same_size:
-        return entries, 0
-    paths = [image_root / e.path for e in same_size]
+    reused: set[str] = set()
+    bar = tqdm(
+        total=len(candidates), unit="file", desc="comparing changed files", disable=not progress, dynamic_ncols=True
+    )
     with ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="moco-hash") as pool:
-        digests = list(
-            tqdm(
-                pool.map(file_sha256, paths),
-                total=len(paths),
-                unit="file",
-                desc="comparing changed files",
-                disable=not progress,
-                dynamic_ncols=True,
-            )
-        )
+        for start in range(0, len(candidates), REUSE_CHUNK):
+            part = candidates[start : start + REUSE_CHUNK]
+            reused |= _reuse_chunk(part, changed_ids, store, vectors, shards, image_root, pool)
+            bar.update(len(part))
+    bar.close()
+    if reused:
+        shards.flush()  # what was reused is kept if the run stops before the encoder's first shard
+        LOG.info("%d changed files have the bytes on record: their stored vectors are reused", len(reused))
+    return [e for e in entries if e.path not in reused], len(reused)
+
+
+def _reuse_chunk(part, changed_ids, store, vectors, shards, image_root, pool) -> set[str]:
+    """The paths of ``part`` given their stored vectors (see :func:`reuse_stored_vectors`)."""
+    records = {rec.path: rec for rec in store.records([changed_ids[e.path] for e in part]) if rec is not None}
+    same_size = [e for e in part if e.path in records and records[e.path].bytes == e.bytes]
+    digests = pool.map(file_sha256, [image_root / e.path for e in same_size])
     same = [e for e, digest in zip(same_size, digests) if digest is not None and digest == records[e.path].sha256]
     if not same:
-        return entries, 0
+        return set()
     found, stored = vectors.get(np.asarray([records[e.path].id for e in same], dtype=np.int64))
-    reused = set()
+    done = set()
     for e, ok, vector in zip(same, found, stored):
         if not ok:  # a record without a stored vector is not expected; the encoder computes it again
             continue
         rec = records[e.path]
         as_decoded = Decoded(e.path, None, rec.width, rec.height, rec.bytes, rec.sha256, None, 0.0)
         shards.add(shard_entry(e, as_decoded), vector)
-        reused.add(e.path)
-    shards.flush()
-    if reused:
-        LOG.info("%d changed files have the bytes on record: their stored vectors are reused", len(reused))
-    return [e for e in entries if e.path not in reused], len(reused)
+        done.add(e.path)
+    return done

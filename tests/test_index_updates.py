@@ -245,14 +245,18 @@ def _vectors_by_path(out: Path) -> dict[str, np.ndarray]:
         return {rec.path: v for rec, v in zip(d.records(ids.tolist()), vectors)}
 
 
-def test_update__files_whose_bytes_did_not_change_keep_their_vectors_without_the_encoder(tmp_path):
+@pytest.mark.parametrize("chunk", [10_000, 5])  # the default, and lowered below the 32 files: 7 chunks
+def test_update__files_whose_bytes_did_not_change_keep_their_vectors_without_the_encoder(tmp_path, monkeypatch, chunk):
     """A copy without -p, a git checkout or an edited labels CSV changes a file's mtime or label, not its bytes.
     The update compares such a file's sha256 with its record's and reuses the stored vector; only the file whose
     bytes changed goes through the (real, ONNX) encoder."""
     from PIL import Image
 
+    from moco_retrieval.indexer import reuse
     from moco_retrieval.trainer.demo_data import write_demo_dataset
     from tests.index_fixtures import write_tiny_encoder
+
+    monkeypatch.setattr(reuse, "REUSE_CHUNK", chunk)
 
     data = write_demo_dataset(tmp_path / "images", per_class=4, size=24, seed=0)
     encoder = write_tiny_encoder(tmp_path / "tiny.onnx")
