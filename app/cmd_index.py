@@ -15,8 +15,9 @@ what it does:
   Rerun it on the same folder to update the index: only new or changed files are embedded, deleted files
   are removed, and the counts of added / updated / removed / unchanged images are printed. A file whose
   mtime or label changed but whose bytes did not (a copy without -p, a checkout, an edited --labels CSV)
-  keeps its vector: its sha256 is compared with the one on record, and the encoder does not run for it. Stop it at any
-  moment (Ctrl-C, kill, power loss) and rerun the same command: it resumes from the last finished shard.
+  keeps its vector: its sha256 is compared with the one on record, and the encoder does not run for it.
+  Stop it at any moment (Ctrl-C, kill, power loss) and rerun the same command: it resumes from the last
+  finished shard.
   Readers (`moco serve`) see the old index or the new one, never a mix.
 
   Unreadable files (corrupt, truncated, empty, not an image, over 89 megapixels) are skipped, listed at the
