@@ -13,16 +13,17 @@ Only files whose record has the same size are read; a file of another size has c
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 from tqdm import tqdm
 
-from moco_retrieval.contracts.images import FoundFile
+from moco_retrieval.contracts.errors import DataError
+from moco_retrieval.contracts.images import FoundFile, read_image_bytes
 from moco_retrieval.indexer.decode import Decoded
 from moco_retrieval.indexer.embed import shard_entry
-from moco_retrieval.indexer.manifest import file_sha256
 from moco_retrieval.indexer.metadata import MetadataStore
 from moco_retrieval.indexer.shards import WorkShards
 from moco_retrieval.indexer.vectors import BlockVectors
@@ -76,7 +77,7 @@ def _reuse_chunk(part, changed_ids, store, vectors, shards, image_root, pool) ->
     """The paths of ``part`` given their stored vectors (see :func:`reuse_stored_vectors`)."""
     records = {rec.path: rec for rec in store.records([changed_ids[e.path] for e in part]) if rec is not None}
     same_size = [e for e in part if e.path in records and records[e.path].bytes == e.bytes]
-    digests = pool.map(file_sha256, [image_root / e.path for e in same_size])
+    digests = pool.map(_sha256_or_none, [image_root / e.path for e in same_size])
     same = [e for e, digest in zip(same_size, digests) if digest is not None and digest == records[e.path].sha256]
     if not same:
         return set()
@@ -90,3 +91,12 @@ def _reuse_chunk(part, changed_ids, store, vectors, shards, image_root, pool) ->
         shards.add(shard_entry(e, as_decoded), vector)
         done.add(e.path)
     return done
+
+
+def _sha256_or_none(path) -> str | None:
+    """The sha256 of an image file's bytes, read as the decoders read them (a FIFO or device that took the file's
+    place is refused without blocking), or ``None`` when they cannot be read: the decoders then say why."""
+    try:
+        return hashlib.sha256(read_image_bytes(path)).hexdigest()
+    except DataError:
+        return None

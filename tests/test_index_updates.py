@@ -3,6 +3,7 @@ exactly itself. Real FAISS, real LMDB, real files scanned; vectors come from a s
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 
@@ -285,3 +286,14 @@ def test_update__files_whose_bytes_did_not_change_keep_their_vectors_without_the
         assert d.record(d.id_of_path(relabelled)).label == "other"
     again = build_index_dir(cfg)  # the records now hold the new mtimes: nothing is read again
     assert (again.mode, again.embedded, again.reused) == ("unchanged", 0, 0)
+
+
+def test_reuse__a_fifo_in_a_changed_files_place_is_hashed_as_unreadable_without_blocking(tmp_path):
+    """The comparison reads a file as the decoders do: a FIFO that took an image's place after the scan would
+    hang a plain open() for ever."""
+    from moco_retrieval.indexer.reuse import _sha256_or_none
+
+    os.mkfifo(tmp_path / "x.png")
+    assert _sha256_or_none(tmp_path / "x.png") is None
+    (tmp_path / "y.png").write_bytes(b"\x89PNG bytes")
+    assert _sha256_or_none(tmp_path / "y.png") == hashlib.sha256(b"\x89PNG bytes").hexdigest()
