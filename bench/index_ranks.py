@@ -143,7 +143,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--images", type=Path, required=True, help="folder of real images")
     p.add_argument("--ranks", type=int, default=2, help="ranks of the torchrun run (default 2; 1: no torchrun run)")
-    p.add_argument("--model", type=Path, default=None, help="encoder.onnx (default: a random ResNet-18, 32 px)")
+    p.add_argument(
+        "--model", type=Path, default=None, help="encoder.onnx (default: a random ResNet-18, --image-size px)"
+    )
+    p.add_argument("--image-size", type=int, default=32, help="input side of that random encoder (default 32)")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--ceiling-images", type=int, default=8192, help="images the encoder alone embeds")
     p.add_argument("--work", type=Path, default=None, help="scratch folder (default: a temp folder, deleted)")
@@ -155,7 +158,7 @@ def main() -> None:
         if model is None:
             from bench.index_scale import make_encoder
 
-            model = make_encoder(work)
+            model = make_encoder(work, args.image_size)
         from moco_retrieval.contracts.images import walk_image_files
         from moco_retrieval.indexer.encoder import available_cores
 

@@ -136,9 +136,9 @@ def install_legacy(corpus: SyntheticCorpus) -> None:
     build._embed = lambda cfg, encoder, image_root, todo, shards: corpus.embed_into(todo, shards)
 
 
-def make_encoder(work: Path) -> Path:
-    """A real encoder.onnx (random-weight ResNet-18, 32 px, 512-d), exported in a child process so that torch
-    never counts in this process's memory."""
+def make_encoder(work: Path, image_size: int = 32) -> Path:
+    """A real encoder.onnx (random-weight ResNet-18 with the ImageNet stem, ``image_size`` px, 512-d), exported
+    in a child process so that torch never counts in this process's memory."""
     path = work / "encoder.onnx"
     if not path.is_file():
         import subprocess
@@ -148,8 +148,9 @@ def make_encoder(work: Path) -> Path:
                 sys.executable,
                 "-c",
                 "import sys; from pathlib import Path; from bench.index_scale import "
-                "_export; _export(Path(sys.argv[1]))",
+                "_export; _export(Path(sys.argv[1]), int(sys.argv[2]))",
                 str(work),
+                str(image_size),
             ],
             check=True,
             cwd=REPO,
@@ -158,7 +159,7 @@ def make_encoder(work: Path) -> Path:
     return path
 
 
-def _export(work: Path) -> None:
+def _export(work: Path, image_size: int = 32) -> None:
     import torch
 
     from moco_retrieval.trainer.checkpoint import write_random_init_checkpoint
@@ -171,7 +172,7 @@ def _export(work: Path) -> None:
         out_dir=str(work / "run"),
         arch="resnet18",
         stem="imagenet",
-        image_size=32,
+        image_size=image_size,
         batch_size=16,
         queue_size=32,
         workers=0,

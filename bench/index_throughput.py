@@ -22,6 +22,7 @@ import logging
 import os
 import platform
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -32,31 +33,11 @@ from moco_retrieval.indexer.build import IndexConfig, build_index_dir
 from moco_retrieval.indexer.decode import decode_files
 from moco_retrieval.indexer.encoder import OnnxEncoder
 
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # for bench.index_scale
+    sys.path.insert(0, str(REPO))
+
 OUT = Path(__file__).resolve().parent / "results"
-
-
-def make_encoder(root: Path, image_size: int) -> Path:
-    import torch
-
-    from moco_retrieval.trainer.checkpoint import write_random_init_checkpoint
-    from moco_retrieval.trainer.config import TrainConfig
-    from moco_retrieval.trainer.export import export_encoder
-
-    cfg = TrainConfig(
-        data_dir="",
-        out_dir=str(root / "run"),
-        arch="resnet18",
-        stem="imagenet",
-        image_size=image_size,
-        batch_size=16,
-        queue_size=32,
-        workers=0,
-        device="cpu",
-        knn_every=0,
-    )
-    run = write_random_init_checkpoint(cfg, root / "run", seed=0)
-    torch.set_num_threads(os.cpu_count() or 1)
-    return export_encoder(run, root / "encoder.onnx", verify=False).path
 
 
 def main() -> None:
@@ -80,6 +61,8 @@ def main() -> None:
 
             write_demo_dataset(data, per_class=args.images // 8, size=args.image_px)
         paths = sorted(p.relative_to(data).as_posix() for p in data.rglob("*.png"))
+        from bench.index_scale import make_encoder
+
         model = Path(args.model) if args.model else make_encoder(work, args.model_px)
         encoder = OnnxEncoder(model, device=args.device)
         result = {
