@@ -198,9 +198,14 @@ def test_train__small_crops_resume_exactly_and_a_changed_count_is_refused(shapes
 
 
 def test_train__resume_with_different_architecture_is_refused(shapes_dir, tmp_path):
+    """The refusal says how to resume; --init cannot change the architecture, so it is not offered."""
     train(tiny_train_config(shapes_dir, tmp_path / "run", epochs=2), stop_at_epoch=1)
-    with pytest.raises(Exception, match="was trained with arch='resnet18'"):
+    with pytest.raises(Exception, match="was trained with arch='resnet18'") as refused:
         train(tiny_train_config(shapes_dir, tmp_path / "run", epochs=2, arch="resnet34"))
+    assert str(refused.value).endswith("rerun with the same options to resume it, or use a new --out")
+    with pytest.raises(Exception, match="was trained with arch='resnet18'") as refused:  # --resume into another --out
+        train(tiny_train_config(shapes_dir, tmp_path / "other", epochs=2, arch="resnet34"), resume=tmp_path / "run")
+    assert str(refused.value).endswith("resume it with the options it was trained with")
 
 
 def test_train__rerun_of_the_same_command_resumes_when_the_recipe_capped_its_queue(shapes_dir, tmp_path):
@@ -212,8 +217,11 @@ def test_train__rerun_of_the_same_command_resumes_when_the_recipe_capped_its_que
     assert first.steps == 6 and saved["queue_size"] == 48
     resumed = train(cfg)
     assert resumed.steps == 12 and load_checkpoint(tmp_path / "run")["config"]["queue_size"] == 48
-    with pytest.raises(Exception, match=r"was trained with queue_size=48 \(now 80\)"):  # another value still is
+    with pytest.raises(Exception, match=r"was trained with queue_size=48 \(now 80\)") as refused:  # another still is
         train(cfg.replace(queue_size=80))
+    # a change of training, not of the model: the weights can go on in a new run (a longer --time-budget too)
+    hint = f"or train on from its weights in a new run: --init {tmp_path / 'run'} --out NEW_DIR"
+    assert str(refused.value).endswith(hint)
 
 
 def test_train__resume_after_images_were_removed_below_its_queue_is_a_data_error(tmp_path):

@@ -181,16 +181,31 @@ def _merge_saved(cfg: TrainConfig, saved: dict, path: Path) -> TrainConfig:
     merged = TrainConfig.from_dict(values)
     diffs = _must_match_diffs(merged, saved)
     if diffs:
-        raise ConfigError(f"{path} was trained with {', '.join(diffs)}; rerun with the same options or use a new --out")
+        raise ConfigError(_mismatch_message(path, diffs, own_run=path.parent == Path(cfg.out_dir)))
     return merged
 
 
-def _must_match_diffs(cfg: TrainConfig, saved: dict) -> list[str]:
-    return [
-        f"{k}={saved.get(k)!r} (now {getattr(cfg, k)!r})"
+# what --init cannot change: the weights it loads decide these (the rest of RESUME_MUST_MATCH a new run may set)
+_SHAPE_FIELDS = ("moco_version", "arch", "stem", "patch_size", "image_size", "dim", "mlp_hidden")
+
+
+def _must_match_diffs(cfg: TrainConfig, saved: dict) -> dict[str, str]:
+    """Field -> ``"field=saved (now value)"`` of each :data:`RESUME_MUST_MATCH` field the rerun changed."""
+    return {
+        k: f"{k}={saved.get(k)!r} (now {getattr(cfg, k)!r})"
         for k in RESUME_MUST_MATCH
         if k in saved and saved.get(k) != getattr(cfg, k)
-    ]
+    }
+
+
+def _mismatch_message(path: Path, diffs: dict[str, str], own_run: bool) -> str:
+    """The one line of a resume that changed what defines the run: how to resume it, and, where only its
+    training changed (a longer --time-budget, another seed or queue), how to train on from its weights."""
+    text = f"{path} was trained with {', '.join(diffs.values())}; "
+    text += "rerun with the same options to resume it" if own_run else "resume it with the options it was trained with"
+    if not set(diffs) & set(_SHAPE_FIELDS):
+        return text + f", or train on from its weights in a new run: --init {path.parent} --out NEW_DIR"
+    return text + (", or use a new --out" if own_run else "")
 
 
 def _append_jsonl(path: Path, row: dict) -> None:
@@ -367,7 +382,7 @@ def setup(
         # the options matched (_merge_saved), so the folder changed: fewer images cap the queue below the
         # checkpoint's, which its model cannot load
         raise DataError(
-            f"{resume_path} was trained with {', '.join(_must_match_diffs(cfg, ckpt['config']))}, "
+            f"{resume_path} was trained with {', '.join(_must_match_diffs(cfg, ckpt['config']).values())}, "
             f"which the {len(files)} readable images now in {cfg.data_dir} no longer allow; restore "
             "the images or use a new --out"
         )
