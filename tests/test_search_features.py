@@ -332,10 +332,16 @@ def test_filters__return_only_allowed_items_and_match_exact_filtered_search(laye
     from moco_retrieval.indexer import filters, searcher
     from moco_retrieval.serve.engine import SearchFilter
 
+    from moco_retrieval.serve import generation
+
     if exact_max is not None:  # (and HNSW over its exact-answer size, so that it takes the selector too)
         monkeypatch.setattr(filters, "EXACT_FILTER_MAX", exact_max)
         monkeypatch.setattr(searcher, "HNSW_SCAN_MAX", exact_max)
+        # and a label / prefix bitmap cache of one: each filter evicts the one before, and a later query of an
+        # evicted label reads it again (the cache's size limit, crossed)
+        monkeypatch.setattr(generation, "FILTER_CACHE", 1)
     engine = layered.engine
+    engine._current._filter_bits.clear()  # (the module fixture's engine: earlier parameters filled it)
     records = {r["id"]: r for r in engine._current.directory.records(layered.ids.tolist())}
     excluded = tuple(int(i) for i in layered.ids[::7])
     cases = [
@@ -358,6 +364,8 @@ def test_filters__return_only_allowed_items_and_match_exact_filtered_search(laye
                 assert len(set(got) & set(want)) >= len(want) - (1 if layered.kind == "ivfpq" else 0), flt
             found, wanted = found + len(set(got) & set(want)), wanted + len(want)
     assert found >= 0.9 * wanted, (layered.kind, found, wanted)  # the index's recall target, filtered
+    cached = engine._current._filter_bits
+    assert len(cached) == (1 if exact_max is not None else 5), list(cached)  # c1, c0, c3, c2/f001, c4: the last
 
 
 def test_depth_factor__the_inverse_of_the_share_kept_over_the_measured_slack():
