@@ -239,3 +239,19 @@ def test_narrow_resnet18__a_quarter_of_the_channels_same_layout(stem, grid):
     trunk = torch.nn.Sequential(*list(backbone.children())[:-2])
     assert trunk(x).shape == (4, dim, grid, grid)
     assert backbone(x).shape == (4, dim)
+
+
+def test_bn_splits__auto_makes_at_most_8_groups_of_at_least_min_bn_group_images():
+    """The auto rule at and across ``MIN_BN_GROUP`` (16): the most groups (up to 8) that divide the batch and
+    keep 16 images each; one group under DDP (shuffle-BN does it); a requested count must divide the batch."""
+    from moco_retrieval.trainer.variants import MIN_BN_GROUP, MoCoV2Variant
+
+    variant = MoCoV2Variant()
+    assert MIN_BN_GROUP == 16
+    auto = {batch: variant.bn_splits(0, batch, 1) for batch in (256, 128, 64, 48, 32, 31, 24, 16, 8)}
+    assert auto == {256: 8, 128: 8, 64: 4, 48: 3, 32: 2, 31: 1, 24: 1, 16: 1, 8: 1}
+    assert all(batch // g >= MIN_BN_GROUP or g == 1 for batch, g in auto.items())
+    assert variant.bn_splits(0, 256, 2) == 1
+    assert variant.bn_splits(4, 8, 1) == 4  # a requested count is the user's, small groups and all
+    with pytest.raises(ConfigError, match="--bn-splits 3 must divide the per-process batch 64"):
+        variant.bn_splits(3, 64, 1)
