@@ -115,7 +115,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
         "--image-size",
         type=int,
         default=None,
-        help="for a weights file: input size in pixels (default: a ViT's own, 224 for a ResNet)",
+        help="for a weights file: input size in pixels (default: a ViT's own, a ResNet's training size or 224 "
+        "for one of other code, twice that where its last stage is a 1x1 map, as `moco export` does)",
     )
     p.add_argument(
         "--train",
@@ -185,9 +186,9 @@ def register(sub) -> None:
     knn.add_argument(
         "--pixels",
         action="store_true",
-        help="also classify by plain L2 k-NN on the raw pixels of the same crops the model sees (k = 1, 5, "
-        "20) and print the model's margin over them: features that do not beat raw pixels are not worth "
-        "indexing",
+        help="also classify by plain L2 k-NN on the raw pixels of the same crops, at the size the model trained "
+        "at (k = 1, 5, 20), and print the model's margin over them: features that do not beat raw pixels are "
+        "not worth indexing",
     )
     knn.set_defaults(func=cmd_eval)
 

@@ -9,6 +9,11 @@ The file takes uint8 RGB pixels [N, H, W, 3] at the model's image size (named 'i
 L2-normalized float32 embeddings [N, D] (named 'embeddings'); its metadata says the image size, resize
 policy, normalization, architecture and training run, so `moco index` and `moco serve` need nothing else.
 
+A ResNet trained at 32 px or less (the CPU default) embeds at twice its training size: its last stage then
+sees a 2x2 map instead of 1x1, and objects look as large as the training crops showed them. On four real
+collections that added 2-3 points of nearest-neighbour accuracy (Fashion-MNIST 87.3 -> 90.3%) for 4x the
+encoder's work per image; --image-size chooses another size (--image-size 32: the training size).
+
 By default the embeddings are PCA-whitened: the export embeds up to 10,000 images of the run's data folder
 (or --data), centres the features and scales their principal directions to equal variance, and builds that
 into the file (D = min(features, images / 4)). It needs no labels; on real collections it added 4-11 points
@@ -35,9 +40,9 @@ def cmd_export(args: argparse.Namespace) -> int:
     if args.init is not None:
         result = export_pretrained(args.init, args.out, arch=args.arch, image_size=args.image_size, **common)
     else:
-        if args.arch is not None or args.image_size is not None:
-            raise ConfigError("--arch and --image-size go with --init; a run's checkpoint states its own")
-        result = export_encoder(args.checkpoint, args.out, **common)
+        if args.arch is not None:
+            raise ConfigError("--arch goes with --init; a run's checkpoint states its own")
+        result = export_encoder(args.checkpoint, args.out, image_size=args.image_size, **common)
     meta = result.metadata
     if result.checks:
         print(f"verified ONNX Runtime against PyTorch on {result.image_source}:")
@@ -86,7 +91,8 @@ def register(sub) -> None:
         "--image-size",
         type=int,
         default=None,
-        help="with --init: the encoder's input size in pixels (default: a ViT's own, 224 for a ResNet)",
+        help="the side in pixels the encoder embeds at (default: the size it trained at, 224 for a ResNet of "
+        "other code; twice that for a ResNet whose last stage is a 1x1 map there, such as ResNet-18 at 32 px)",
     )
     p.add_argument(
         "--data",

@@ -127,7 +127,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             if args.checkpoint
             else random_run(Path(tmp) / "run", args.moco_version, args.arch, args.image_size)
         )
-        onnx_path = export_encoder(run, Path(tmp) / "encoder.onnx", fp16=args.fp16).path
+        trained = load_backbone(run)[1].image_size  # the ONNX file embeds at the size PyTorch is timed at
+        onnx_path = export_encoder(run, Path(tmp) / "encoder.onnx", fp16=args.fp16, image_size=trained).path
         results = measure(run, onnx_path, args.batch_size, args.threads, args.warmup, args.iters, args.fp16)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -180,7 +180,7 @@ def _export(work: Path, image_size: int = 32) -> None:
         knn_every=0,
     )
     run = write_random_init_checkpoint(cfg, work / "run", seed=0)
-    export_encoder(run, work / "encoder.onnx", verify=False)
+    export_encoder(run, work / "encoder.onnx", verify=False, image_size=image_size)
 
 
 def make_files(root: Path, start: int, stop: int) -> None:

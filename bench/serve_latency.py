@@ -83,7 +83,7 @@ def build_bench_index(work: Path, corpus: int, device: str, stem: str = "auto") 
         },
         run / LAST,
     )
-    encoder = export_encoder(run, work / "encoder.onnx", verify=False).path
+    encoder = export_encoder(run, work / "encoder.onnx", verify=False, image_size=cfg.image_size).path
     build_index_dir(IndexConfig(str(data), str(encoder), str(index), workers=0, progress=False, device=device))
     return index, data
 

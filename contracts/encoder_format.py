@@ -7,7 +7,8 @@ transposes to NCHW itself. Output :data:`OUTPUT_NAME`, float32 ``[N, D]``, L2-no
 
 ``metadata_props`` are strings. :data:`REQUIRED_KEYS` say what the file is (``format`` =
 :data:`ENCODER_FORMAT`, ``format_version``) and how to feed it (``image_size``, ``resize``, ``mean``/``std``,
-``embedding_dim``); provenance keys (``run_id``, ``checkpoint_epoch`` ...) may follow. An encoder exported
+``embedding_dim``); provenance keys (``run_id``, ``checkpoint_epoch``, ``trained_image_size``: the size the
+network trained at where it embeds at another, :mod:`trainer.embedding_size` ...) may follow. An encoder exported
 straight from weights (``moco export --init``) also names them: ``init_source`` (the file's name),
 ``init_sha256`` and ``init_layout``; its ``moco_version`` is 0 when MoCo did not train them (torchvision, timm).
 ``whitening`` says whether the graph PCA-whitens its features before the final normalization and on how many
@@ -45,6 +46,7 @@ RESIZE_POLICIES = (RESIZE_POLICY,)
 INT_KEYS = (
     "format_version",
     "image_size",
+    "trained_image_size",
     "embedding_dim",
     "moco_version",
     "opset",

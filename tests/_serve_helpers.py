@@ -70,7 +70,7 @@ def export_random_encoder(out_dir: Path, seed: int = 0) -> Path:
     torch.set_num_threads(1)
     run = write_checkpoint(None, out_dir / f"run{seed}", seed=seed)
     path = out_dir / f"encoder{seed}.onnx"
-    export_encoder(run, path, verify=False)
+    export_encoder(run, path, verify=False, image_size=32)  # the training size (serving tests need no more)
     return path
 
 

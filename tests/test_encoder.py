@@ -42,7 +42,7 @@ def exported(shapes_dir, tmp_path_factory) -> tuple[Path, Path]:
     torch.set_num_threads(1)
     root = tmp_path_factory.mktemp("encoder")
     run = write_checkpoint(shapes_dir, root / "run", seed=5)
-    return export_encoder(run, root / "encoder.onnx", verify=False).path, run
+    return export_encoder(run, root / "encoder.onnx", verify=False, image_size=32).path, run  # the training size
 
 
 @pytest.fixture(scope="module")

@@ -61,8 +61,9 @@ def _images(n: int, size: int = 32, seed: int = 0) -> np.ndarray:
 
 def _assert_parity(path: Path, run_dir: Path, max_abs: float = 1e-4, min_cosine: float = 0.9999) -> None:
     backbone, _, _ = load_backbone(run_dir)
+    size = read_encoder_metadata(path)["image_size"]
     for n in (1, 7):
-        images = _images(n)
+        images = _images(n, size)
         got, want = _ort(path, images), reference_embeddings(backbone, images)
         assert got.dtype == np.float32 and got.shape == want.shape
         assert np.abs(got - want).max() <= max_abs
@@ -78,7 +79,7 @@ def test_export__v2_resnet18_matches_pytorch_at_batch_1_and_7(shapes_dir, v2_run
 
 
 def test_export__uses_query_backbone_not_momentum_encoder(v2_run, v2_onnx):
-    images = _images(4, seed=3)
+    images = _images(4, 64, seed=3)
     got = _ort(v2_onnx[0], images)
     key = reference_embeddings(key_backbone(v2_run), images)
     assert np.abs(got - key).max() > 1e-2
@@ -92,11 +93,11 @@ def test_export__graph_contract_uint8_nhwc_in_l2_normalized_float32_out(v2_onnx)
     in_dims = [d.dim_param or d.dim_value for d in inp.type.tensor_type.shape.dim]
     out_dims = [d.dim_param or d.dim_value for d in out.type.tensor_type.shape.dim]
     assert inp.name == "images" and inp.type.tensor_type.elem_type == onnx.TensorProto.UINT8
-    assert in_dims == ["batch", 32, 32, 3]
+    assert in_dims == ["batch", 64, 64, 3]  # trained at 32 px, where ResNet-18's last map is 1x1: twice that
     assert out.name == "embeddings" and out.type.tensor_type.elem_type == onnx.TensorProto.FLOAT
     assert out_dims == ["batch", 512]
     for n in (1, 3, 8):  # dynamic batch
-        emb = _ort(v2_onnx[0], _images(n, seed=n))
+        emb = _ort(v2_onnx[0], _images(n, 64, seed=n))
         assert emb.shape == (n, 512)
         np.testing.assert_allclose(np.linalg.norm(emb, axis=1), 1.0, atol=1e-5)
 
@@ -104,7 +105,7 @@ def test_export__graph_contract_uint8_nhwc_in_l2_normalized_float32_out(v2_onnx)
 def test_export__metadata_round_trips(v2_run, v2_onnx):
     meta = read_encoder_metadata(v2_onnx[0])
     assert meta["format"] == ENCODER_FORMAT and meta["format_version"] == ENCODER_FORMAT_VERSION
-    assert meta["image_size"] == 32 and meta["embedding_dim"] == 512
+    assert meta["image_size"] == 64 and meta["trained_image_size"] == 32 and meta["embedding_dim"] == 512
     assert meta["arch"] == "resnet18" and meta["moco_version"] == 2
     assert meta["resize"] == "shorter_side_center_crop"
     assert meta["mean"] == [0.485, 0.456, 0.406] and meta["std"] == [0.229, 0.224, 0.225]
@@ -216,6 +217,8 @@ def test_export__v3_matches_pytorch_at_batch_1_and_7(arch, shapes_dir, tmp_path)
     meta = read_encoder_metadata(out)
     assert meta["moco_version"] == 3 and meta["arch"] == arch
     assert meta["embedding_dim"] == {"resnet18": 512, "vit_tiny": 192}[arch]
+    # a ResNet trained at 32 px (a 1x1 last map) embeds at 64; a ViT at the size its position embeddings know
+    assert (meta["image_size"], meta["trained_image_size"]) == ({"resnet18": 64, "vit_tiny": 32}[arch], 32)
     _assert_parity(out, run)
     names = [init.name for init in onnx.load(str(out)).graph.initializer]
     assert not any(part in name for name in names for part in ("encoder_k", "predictor", "projector"))
@@ -228,6 +231,7 @@ def test_export__v2_narrow_resnet18_matches_pytorch_with_a_128_d_embedding(shape
     assert all(c.passed for c in result.checks)
     meta = read_encoder_metadata(out)
     assert (meta["arch"], meta["embedding_dim"]) == ("resnet18_narrow", 128)
+    assert meta["image_size"] == 32  # the small stem leaves a 4x4 last map at 32 px: embedded as trained
     _assert_parity(out, run)
 
 
@@ -243,5 +247,46 @@ def test_export__accepts_ddp_and_compile_wrapped_weights(v2_run, v2_onnx, tmp_pa
     ckpt["model"] = {f"module.{k.replace('encoder_q.', 'encoder_q._orig_mod.')}": v for k, v in ckpt["model"].items()}
     torch.save(ckpt, tmp_path / "wrapped.pt")
     out = export_encoder(tmp_path / "wrapped.pt", tmp_path / "e.onnx").path
-    images = _images(3, seed=9)
+    images = _images(3, 64, seed=9)
     np.testing.assert_allclose(_ort(out, images), _ort(v2_onnx[0], images), atol=1e-6)
+
+
+def test_embedding_size__twice_the_training_size_only_where_a_resnet_ends_on_a_1x1_map():
+    """The rule of trainer.embedding_size at its threshold: ResNet-18's ImageNet stem leaves layer4 1x1 up to
+    32 px and 2x2 from 33; the small stem 4x4 at 32; a ViT has no pooled map (its size is its own)."""
+    from moco_retrieval.trainer.backbones import build_resnet, build_vit
+    from moco_retrieval.trainer.embedding_size import embedding_size, last_map_side
+
+    imagenet, _ = build_resnet("resnet18", "imagenet")
+    small, _ = build_resnet("resnet18_narrow", "small")
+    vit, _ = build_vit("vit_tiny", 32, 4)
+    assert [last_map_side(imagenet, s) for s in (16, 32, 33, 64)] == [1, 1, 2, 2]
+    assert last_map_side(small, 32) == 4 and last_map_side(vit, 32) is None
+    assert [embedding_size(imagenet, s).size for s in (16, 32, 33, 224)] == [32, 64, 33, 224]
+    assert (
+        embedding_size(imagenet, 32, requested=40).size == 40
+        and "--image-size 40" in embedding_size(imagenet, 32, 40).why
+    )
+    assert embedding_size(small, 32).size == 32 and embedding_size(small, 32).why == "the training size"
+    assert imagenet.training  # the probe leaves the mode as it found it
+
+
+def test_cli__export_image_size_chooses_the_size_and_is_checked(v2_run, shapes_dir, tmp_path, capsys):
+    """--image-size on a run: the size it embeds at (the training size here), in the file and its metadata; a
+    size out of bounds and a ViT run's other size are one-line errors that write nothing. ``moco eval`` of the
+    run embeds at the size its export would."""
+    from moco_retrieval.trainer.evaluate import CheckpointEmbedder
+
+    assert main(["export", str(v2_run), "--out", str(tmp_path / "a.onnx"), "--image-size", "32"]) == 0
+    assert "input uint8 [N, 32, 32, 3]" in capsys.readouterr().out
+    meta = read_encoder_metadata(tmp_path / "a.onnx")
+    assert (meta["image_size"], meta["trained_image_size"]) == (32, 32)
+    assert main(["export", str(v2_run), "--out", str(tmp_path / "b.onnx"), "--image-size", "4"]) == 2
+    assert "--image-size must be between 8 and 2048 pixels, got 4" in capsys.readouterr().err
+    vit = write_checkpoint(shapes_dir, tmp_path / "vit", moco_version=3, arch="vit_tiny")
+    assert main(["export", str(vit), "--out", str(tmp_path / "c.onnx"), "--image-size", "64"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "a ViT embeds at the size it trained at (32 px)" in err and "--init" in err
+    assert not (tmp_path / "b.onnx").exists() and not (tmp_path / "c.onnx").exists()
+    assert CheckpointEmbedder(v2_run, device="cpu").image_size == 64
+    assert CheckpointEmbedder(v2_run, device="cpu", image_size=32).image_size == 32

@@ -135,8 +135,10 @@ def test_export__whitened_file_matches_pytorch_and_says_so(run_and_data, tmp_pat
     assert meta["embedding_dim"] == 30 and meta["whitening"] == "pca 30 of 512 dims, 120 images"
     assert result.checks and all(c.passed for c in result.checks)
     backbone, cfg, _ = load_backbone(run)
-    whitening, _ = fit_for_export(backbone, cfg.image_size, data, "auto", min_images=100)
-    images = np.random.default_rng(1).integers(0, 256, (5, cfg.image_size, cfg.image_size, 3), dtype=np.uint8)
+    size = meta["image_size"]  # the whitening is fitted at the size the file embeds at (twice 32 px here)
+    assert (size, meta["trained_image_size"]) == (2 * cfg.image_size, cfg.image_size)
+    whitening, _ = fit_for_export(backbone, size, data, "auto", min_images=100)
+    images = np.random.default_rng(1).integers(0, 256, (5, size, size, 3), dtype=np.uint8)
     got = ort.InferenceSession(str(result.path), providers=["CPUExecutionProvider"]).run(None, {"images": images})[0]
     want = reference_embeddings(backbone, images, whitening)
     assert got.shape == (5, 30) and np.abs(got - want).max() < 1e-4

@@ -162,6 +162,7 @@ class CheckpointEmbedder:
         self.source = built.pretrained
         self.path = self.source.path
         self.image_size = built.image_size
+        self.trained_image_size = built.sized.trained
         self.embedding_dim = embedding_dim(built.backbone, self.image_size)  # one zero image, on the CPU
         self.device = resolve_device(device)
         self.backbone = built.backbone.to(self.device).eval()
@@ -179,6 +180,7 @@ class CheckpointEmbedder:
             "epoch": self.epoch,
             "run_id": src.run_id,
             "image_size": self.image_size,
+            "trained_image_size": self.trained_image_size,
             "embedding_dim": self.embedding_dim,
             "resize": RESIZE_POLICY,
         }
@@ -277,6 +279,13 @@ def load_pixels(images: LabeledImages, image_size: int) -> np.ndarray:
         except DataError as exc:
             raise DataError(f"cannot decode {exc}; remove or replace the file") from exc
     return out
+
+
+def trained_image_size(embedder) -> int:
+    """The size ``embedder``'s network trained at (a checkpoint's, or an encoder file's ``trained_image_size``),
+    which its export may embed above (:mod:`trainer.embedding_size`): the raw-pixel baseline's size."""
+    meta = getattr(embedder, "metadata", None) or {}
+    return int(getattr(embedder, "trained_image_size", None) or meta.get("trained_image_size") or embedder.image_size)
 
 
 def pixel_baseline(
@@ -394,7 +403,7 @@ def evaluate(
             )
         results = knn_top1(xb, train.labels, xq, test.labels, len(classes), ks, temperature, leave_one_out=same)
         if pixels:
-            results += pixel_baseline(train, test, int(embedder.image_size), leave_one_out=same)
+            results += pixel_baseline(train, test, trained_image_size(embedder), leave_one_out=same)
     else:
         if same:
             LOG.warning(

@@ -32,6 +32,7 @@ from torch import nn
 
 from moco_retrieval.contracts.atomic import atomic_path, output_errors
 from moco_retrieval.contracts.encoder_format import (
+    DECLARED_BOUNDS,
     ENCODER_FORMAT,
     ENCODER_FORMAT_VERSION,
     IMAGENET_MEAN,
@@ -50,6 +51,8 @@ from moco_retrieval.contracts.errors import (
     OutputError,
 )
 from moco_retrieval.contracts.images import check_image, decode_image, iter_image_files
+from moco_retrieval.trainer.config import VITS
+from moco_retrieval.trainer.embedding_size import EmbeddingSize, embedding_size
 from moco_retrieval.trainer.whitening import fit_for_export
 
 if TYPE_CHECKING:
@@ -311,20 +314,22 @@ def _metadata(
     run_id: str,
     epoch: int,
     step: int,
-    image_size: int,
+    sized: EmbeddingSize,
     dim: int,
     fp16: bool,
     opset: int,
     whitening: str,
     init: dict | None = None,
 ) -> dict[str, str]:
-    """The encoder file's ``metadata_props`` (:mod:`contracts.encoder_format`); ``whitening``: what
-    :func:`trainer.whitening.fit_for_export` did, in one line; ``init``: the source of a ``moco export --init``
-    (``init_source``, ``init_sha256``, ``init_layout``)."""
+    """The encoder file's ``metadata_props`` (:mod:`contracts.encoder_format`); ``sized``: the size it embeds at
+    and the size it trained at; ``whitening``: what :func:`trainer.whitening.fit_for_export` did, in one line;
+    ``init``: the source of a ``moco export --init`` (``init_source``, ``init_sha256``, ``init_layout``)."""
+    image_size = sized.size
     values = {
         "format": ENCODER_FORMAT,
         "format_version": ENCODER_FORMAT_VERSION,
         "image_size": image_size,
+        "trained_image_size": sized.trained,
         "embedding_dim": dim,
         "arch": arch,
         "moco_version": moco_version,
@@ -409,6 +414,7 @@ def export_encoder(
     tolerance: ParityTolerance | None = None,
     whiten: str | int = "auto",
     data_dir: str | None = None,
+    image_size: int | None = None,
 ) -> ExportResult:
     """Export a checkpoint's query backbone to ``out`` as an encoder ONNX file, verified against PyTorch.
 
@@ -422,12 +428,14 @@ def export_encoder(
         whiten: ``auto`` (PCA whitening fitted on the data folder's images, :mod:`trainer.whitening`), ``off``,
             or the number of whitened dimensions to keep.
         data_dir: the images to fit the whitening on and verify with (default: the run's own data folder).
+        image_size: the side the encoder embeds at (default: :func:`trainer.embedding_size.embedding_size`'s
+            choice: twice the training size for a ResNet whose last map is 1x1 there, else the training size).
 
     Returns:
         :class:`ExportResult` with the checks' figures.
 
     Raises:
-        ConfigError: opset out of range, a bad ``whiten``. OutputError: ``out`` not writable.
+        ConfigError: opset out of range, a bad ``whiten`` or ``image_size``. OutputError: ``out`` not writable.
         ArtifactError: checkpoint missing, unreadable or foreign.
         DataError: ``whiten`` is a number and the data folder cannot provide enough images.
         ExportError: export failed or the check found a mismatch (no file is left at ``out``).
@@ -437,22 +445,29 @@ def export_encoder(
     out = Path(out)
     _check_output(out)
     backbone, cfg, ckpt = load_backbone(checkpoint)
+    if image_size is not None and cfg.arch in VITS and image_size != cfg.image_size:
+        raise ConfigError(
+            f"--image-size {image_size}: a ViT embeds at the size it trained at ({cfg.image_size} px); to change "
+            f"it, export with --init {checkpoint} --image-size {image_size} (its position embeddings are resized)"
+        )
+    sized = embedding_size(backbone, cfg.image_size, _check_image_size(image_size))
+    LOG.info("embedding at %d px: %s", sized.size, sized.why)
     data_dir = data_dir or cfg.data_dir
-    whitening, whitened = fit_for_export(backbone, cfg.image_size, data_dir, whiten, workers=min(cfg.workers, 2))
-    dim = whitening.out_dim if whitening is not None else embedding_dim(backbone, cfg.image_size)
+    whitening, whitened = fit_for_export(backbone, sized.size, data_dir, whiten, workers=min(cfg.workers, 2))
+    dim = whitening.out_dim if whitening is not None else embedding_dim(backbone, sized.size)
     metadata = _metadata(
         cfg.arch,
         cfg.moco_version,
         ckpt.get("run_id") or cfg.run_id or "",
         int(ckpt.get("epoch", 0)),
         int(ckpt.get("step", 0)),
-        cfg.image_size,
+        sized,
         dim,
         fp16,
         opset,
         whitened,
     )
-    return _publish(backbone, whitening, cfg.image_size, metadata, out, fp16, opset, verify, tolerance, data_dir, tic)
+    return _publish(backbone, whitening, sized.size, metadata, out, fp16, opset, verify, tolerance, data_dir, tic)
 
 
 def export_pretrained(
@@ -474,7 +489,8 @@ def export_pretrained(
     Args:
         source: the weights file (or run directory).
         arch: checked against the file's architecture when given.
-        image_size: the encoder's input size (default: the weights' own; 224 for ResNets of other code).
+        image_size: the encoder's input size (default: the weights' own, 224 for ResNets of other code, or for
+            a ResNet whose last map is 1x1 there twice that: :mod:`trainer.embedding_size`).
         data_dir: a folder of images to fit the whitening on and verify with (default: none, so no whitening
             under ``auto``, and generated images for the verification).
         others: as :func:`export_encoder`.
@@ -488,7 +504,7 @@ def export_pretrained(
     opset = _check_opset(opset)
     out = Path(out)
     _check_output(out)
-    built = backbone_from_source(source, arch, image_size)
+    built = backbone_from_source(source, arch, _check_image_size(image_size))
     pre = built.pretrained
     whitening, whitened = fit_for_export(built.backbone.eval(), built.image_size, data_dir, whiten)
     dim = whitening.out_dim if whitening is not None else embedding_dim(built.backbone, built.image_size)
@@ -498,7 +514,7 @@ def export_pretrained(
         pre.run_id,
         pre.epoch,
         pre.step,
-        built.image_size,
+        built.sized,
         dim,
         fp16,
         opset,
@@ -508,6 +524,13 @@ def export_pretrained(
     return _publish(
         built.backbone, whitening, built.image_size, metadata, out, fp16, opset, verify, tolerance, data_dir, tic
     )
+
+
+def _check_image_size(image_size: int | None) -> int | None:
+    low, high = DECLARED_BOUNDS["image_size"]
+    if image_size is not None and not low <= image_size <= high:
+        raise ConfigError(f"--image-size must be between {low} and {high} pixels, got {image_size}")
+    return image_size
 
 
 def _check_opset(opset: int | None) -> int:

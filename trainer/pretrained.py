@@ -38,6 +38,7 @@ from torch import nn
 from moco_retrieval.contracts.errors import ArtifactError, ConfigError
 from moco_retrieval.trainer.checkpoint import CHECKPOINT_FORMAT, CHECKPOINT_VERSION, LAST, safe_load, strip_wrappers
 from moco_retrieval.trainer.config import NARROW_RESNETS, RESNETS, STEM_KERNEL, VITS
+from moco_retrieval.trainer.embedding_size import EmbeddingSize, embedding_size
 
 LOG = logging.getLogger(__name__)
 
@@ -546,15 +547,20 @@ class SourceBackbone:
 
     backbone: nn.Module
     pretrained: Pretrained
-    image_size: int
+    sized: EmbeddingSize  # the size it embeds at, and the weights' own
     notes: list
+
+    @property
+    def image_size(self) -> int:
+        return self.sized.size
 
 
 def backbone_from_source(
     source: str | Path, arch: str | None = None, image_size: int | None = None, flag: str = "--arch"
 ) -> SourceBackbone:
     """Our backbone with SOURCE's weights, for ``image_size`` (default: the weights' own size, see
-    :attr:`Pretrained.native_image_size`); ``arch``, when given, must be the file's.
+    :attr:`Pretrained.native_image_size`, or for a ResNet the size :func:`trainer.embedding_size.embedding_size`
+    chooses there: twice it where the last map is 1x1); ``arch``, when given, must be the file's.
 
     Raises:
         ArtifactError, ConfigError: as :func:`read_pretrained`, :func:`check_arch` and :func:`fit_backbone`.
@@ -576,4 +582,11 @@ def backbone_from_source(
     for note in notes:
         LOG.info("--init: %s", note)
     LOG.info("built %s from %s (%s layout, sha256 %s...)", arch, pre.path, pre.layout, pre.sha256[:12])
-    return SourceBackbone(backbone.float().eval(), pre, size, notes)
+    backbone = backbone.float().eval()
+    if arch in VITS:
+        native = pre.native_image_size
+        why = "the training size" if size == native else f"--image-size {size} (position embeddings from {native})"
+        sized = EmbeddingSize(size, native, why)
+    else:  # a ResNet's weights fit any size
+        sized = embedding_size(backbone, pre.native_image_size, image_size)
+    return SourceBackbone(backbone, pre, sized, notes)

@@ -1,0 +1,183 @@
+#!/usr/bin/env python3
+"""k-NN top-1 of trained runs and of random weights with BN fitted, embedded at several input sizes: what
+``trainer.embedding_size`` (``moco export``'s default size) rests on (issue 20).
+
+Each model's backbone embeds ``train/`` and ``val/`` (or ``test/``) at every ``--sizes`` side through the
+evaluation transform; k-NN top-1 (k 20, T 0.07) is measured plain and PCA-whitened as ``moco export`` whitens
+(fitted on at most 10,000 ``train/`` images spread over the folder, ``min(D, n // 4)`` directions). A model is
+a run directory or checkpoint, or ``random_bn:ARCH:STEM:SEED`` (random weights, BN statistics fitted on up to
+10,000 ``train/`` images at each size). Rows are appended to ``--out``; ``--summary`` prints the mean per
+collection, model kind and size of one or more result files and plots them (``--png``).
+
+    python bench/embedding_size.py --data /work/datasets/icons_split --sizes 32,48,64 \\
+        --out bench/results/embedding_size_30m.json runs/icons_s0 random_bn:resnet18:imagenet:0
+    python bench/embedding_size.py --summary bench/results/embedding_size_30m.json \\
+        --png bench/results/embedding_size_30m.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from bench.machine import machine  # noqa: E402
+
+MAX_FIT_IMAGES = 10_000
+
+
+def _spread(items: list, n: int) -> list:
+    step = max(1.0, len(items) / n)
+    return [items[int(i * step)] for i in range(min(n, len(items)))]
+
+
+def backbone_at(model: str, size: int, train_paths: list):
+    """``(backbone in eval mode, training size or None)`` of a run / checkpoint, or of ``random_bn:ARCH:STEM:SEED``
+    with its BN statistics fitted at ``size``."""
+    import torch
+    from torch.optim.swa_utils import update_bn
+    from torch.utils.data import DataLoader
+
+    from moco_retrieval.trainer.backbones import build_resnet
+    from moco_retrieval.trainer.eval_transform import eval_transform
+    from moco_retrieval.trainer.evaluate import _Images
+    from moco_retrieval.trainer.export import load_backbone
+
+    if not model.startswith("random_bn:"):
+        backbone, cfg, _ = load_backbone(model)
+        return backbone.eval(), cfg.image_size
+    _, arch, stem, seed = model.split(":")
+    torch.manual_seed(int(seed))
+    backbone, _ = build_resnet(arch, stem)
+    loader = DataLoader(_Images(_spread(train_paths, MAX_FIT_IMAGES), eval_transform(size)), batch_size=256)
+    with torch.no_grad():  # a batch of one has no batch statistics
+        update_bn((x for x in loader if len(x) > 1), backbone)
+    return backbone.eval(), None
+
+
+def measure(data: Path, models: list[str], sizes: list[int], out: Path) -> None:
+    import torch
+    import torch.nn.functional as F
+
+    from moco_retrieval.trainer.evaluate import embed_files, load_labeled_pair
+    from moco_retrieval.trainer.knn import knn_accuracy
+    from moco_retrieval.trainer.whitening import fit_pca_whitening, whitening_dim
+
+    test_dir = data / "test" if (data / "test").is_dir() else data / "val"
+    train, test, _ = load_labeled_pair(data / "train", test_dir)
+    ytr, yte = torch.as_tensor(train.labels), torch.as_tensor(test.labels)
+    doc = json.loads(out.read_text()) if out.exists() else {"benchmark": "embedding_size", "rows": []}
+    doc.update(machine=machine(), protocol=__doc__.split("\n\n")[1].replace("\n", " "))
+    for model in models:
+        row = {"model": model, "data": str(data), "command": "python " + " ".join(sys.argv), "by_size": {}}
+        for size in sizes:
+            tic = time.perf_counter()
+            backbone, trained = backbone_at(model, size, train.paths)
+            row["trained_size"] = trained
+            xtr = embed_files(backbone, train.paths, size, batch_size=512)
+            xte = embed_files(backbone, test.paths, size, batch_size=512)
+            fit = xtr[_spread(list(range(len(xtr))), MAX_FIT_IMAGES)]
+            whitening = fit_pca_whitening(fit, whitening_dim(len(fit), xtr.shape[1]))
+            white = knn_accuracy(F.normalize(whitening(xtr), dim=1), ytr, F.normalize(whitening(xte), dim=1), yte)
+            row["by_size"][str(size)] = {
+                "plain": round(100 * knn_accuracy(xtr, ytr, xte, yte), 2),
+                "whitened": round(100 * white, 2),
+                "seconds": round(time.perf_counter() - tic, 1),
+            }
+            print(data.name, model, size, row["by_size"][str(size)], flush=True)
+        doc["rows"].append(row)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(doc, indent=1) + "\n")
+
+
+def _label(data: str) -> str:
+    """A collection's name: its folder's, with the parent's where the folder is a generic ``data``."""
+    path = Path(data)
+    return f"{path.parent.name}/{path.name}" if path.name == "data" else path.name
+
+
+def summary(docs: list[dict]) -> list[dict]:
+    """Mean and sd of the whitened top-1 per collection, model kind (trained / random BN) and size."""
+    groups: dict[tuple[str, str, int], list[float]] = {}
+    for doc in docs:
+        for row in doc["rows"]:
+            kind = "random_bn" if row["model"].startswith("random_bn:") else "trained"
+            for size, got in row["by_size"].items():
+                groups.setdefault((_label(row["data"]), kind, int(size)), []).append(got["whitened"])
+    return [
+        {
+            "data": data,
+            "model": kind,
+            "size": size,
+            "whitened_mean": round(statistics.mean(v), 2),
+            "sd": round(statistics.stdev(v), 2) if len(v) > 1 else None,
+            "models": len(v),
+        }
+        for (data, kind, size), v in sorted(groups.items())
+    ]
+
+
+def plot(rows: list[dict], png: Path) -> None:
+    """Whitened k-NN top-1 against the embedding size, a panel per collection: trained (solid) and random BN
+    (dashed), mean of the models, with their sd as error bars."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    collections = sorted({r["data"] for r in rows})
+    fig, axes = plt.subplots(1, len(collections), figsize=(3.6 * len(collections), 3.4), squeeze=False)
+    for ax, data in zip(axes[0], collections):
+        for kind, style in (("trained", "o-"), ("random_bn", "s--")):
+            pts = sorted(
+                (r["size"], r["whitened_mean"], r["sd"] or 0) for r in rows if (r["data"], r["model"]) == (data, kind)
+            )
+            if pts:
+                ax.errorbar(
+                    [p[0] for p in pts], [p[1] for p in pts], [p[2] for p in pts], fmt=style, label=kind, capsize=2
+                )
+        ax.set_title(data.replace("_split", ""), fontsize=9)
+        ax.set_xlabel("embedding size, px (trained at 32)")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("k-NN top-1, whitened (%)")
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("models", nargs="*", help="run dirs, checkpoints or random_bn:ARCH:STEM:SEED")
+    p.add_argument("--data", type=Path, help="a labeled split: train/<class>/... and val/ or test/<class>/...")
+    p.add_argument("--sizes", default="32,48,64", help="embedding sizes in px, comma-separated")
+    p.add_argument("--out", type=Path, help="results JSON (rows are appended)")
+    p.add_argument("--summary", nargs="+", type=Path, metavar="JSON", help="print the means of these and plot them")
+    p.add_argument("--png", type=Path, help="with --summary: the plot")
+    args = p.parse_args()
+    if args.summary:
+        rows = summary([json.loads(f.read_text()) for f in args.summary])
+        for row in rows:
+            print(json.dumps(row))
+        if args.png:
+            plot(rows, args.png)
+            print(f"wrote {args.png}")
+        return
+    if not (args.data and args.models and args.out):
+        p.error("--data, MODELS and --out are required (or --summary JSON...)")
+    import torch
+
+    torch.set_num_threads(2)
+    measure(args.data, args.models, [int(s) for s in args.sizes.split(",")], args.out)
+
+
+if __name__ == "__main__":
+    main()
