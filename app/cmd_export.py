@@ -11,7 +11,7 @@ policy, normalization, architecture and training run, so `moco index` and `moco 
 
 A ResNet trained at 32 px or less (the CPU default) embeds at twice its training size: its last stage then
 sees a 2x2 map instead of 1x1, and objects look as large as the training crops showed them. On four real
-collections that added 2-3 points of nearest-neighbour accuracy (Fashion-MNIST 87.3 -> 90.3%) for 4x the
+collections that added 2-4 points of nearest-neighbour accuracy (Fashion-MNIST 87.3 -> 90.3%) for 4x the
 encoder's work per image; --image-size chooses another size (--image-size 32: the training size).
 
 By default the embeddings are PCA-whitened: the export embeds up to 10,000 images of the run's data folder

@@ -68,6 +68,6 @@ def embedding_size(backbone: nn.Module, trained: int, requested: int | None = No
     return EmbeddingSize(
         size,
         trained,
-        f"{EMBED_SCALE}x the training size {trained} px, where the last stage reads a 1x1 map (2-3 k-NN points "
+        f"{EMBED_SCALE}x the training size {trained} px, where the last stage reads a 1x1 map (2-4 k-NN points "
         "more on four real collections; --image-size chooses another)",
     )
