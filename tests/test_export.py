@@ -255,7 +255,8 @@ def test_embedding_size__twice_the_training_size_only_where_a_resnet_ends_on_a_1
     """The rule of trainer.embedding_size at its threshold: ResNet-18's ImageNet stem leaves layer4 1x1 up to
     32 px and 2x2 from 33; the small stem 4x4 at 32; a ViT has no pooled map (its size is its own)."""
     from moco_retrieval.trainer.backbones import build_resnet, build_vit
-    from moco_retrieval.trainer.embedding_size import embedding_size, last_map_side
+    from moco_retrieval.trainer.backbones import last_map_side
+    from moco_retrieval.trainer.embedding_size import embedding_size
 
     imagenet, _ = build_resnet("resnet18", "imagenet")
     small, _ = build_resnet("resnet18_narrow", "small")

@@ -168,14 +168,12 @@ def build_vit(arch: str, image_size: int, patch_size: int = 16) -> tuple[nn.Modu
 
 
 @torch.no_grad()
-def smallest_strided_map(backbone: nn.Module, image_size: int) -> int:
-    """The smallest side of a map that a padded, strided convolution of ``backbone`` reads, for a square
-    ``image_size`` px input: one forward of a blank image in eval mode (running statistics untouched), on the
-    backbone's device. ResNet-18 with the ImageNet stem reads a 1x1 map at up to 16 px (layer4's first
-    convolution), 2x2 from 17 px; ``image_size`` itself when no such convolution exists (a ViT's patches)."""
-    sides = [image_size]
-    convs = [m for m in backbone.modules() if isinstance(m, nn.Conv2d) and max(m.stride) > 1 and max(m.padding) > 0]
-    hooks = [m.register_forward_pre_hook(lambda _, args: sides.append(min(args[0].shape[-2:]))) for m in convs]
+def _input_sides(backbone: nn.Module, image_size: int, modules: list[nn.Module]) -> list[int]:
+    """The smaller side of the map each of ``modules`` reads, in call order, for a square ``image_size`` px
+    input: one forward of a blank image in eval mode (running statistics untouched), on the backbone's
+    device; the backbone's mode is restored."""
+    sides: list[int] = []
+    hooks = [m.register_forward_pre_hook(lambda _, args: sides.append(min(args[0].shape[-2:]))) for m in modules]
     was_training = backbone.training
     param = next(backbone.parameters())
     try:
@@ -185,4 +183,21 @@ def smallest_strided_map(backbone: nn.Module, image_size: int) -> int:
         backbone.train(was_training)
         for h in hooks:
             h.remove()
-    return min(sides)
+    return sides
+
+
+def smallest_strided_map(backbone: nn.Module, image_size: int) -> int:
+    """The smallest side of a map that a padded, strided convolution of ``backbone`` reads, for a square
+    ``image_size`` px input. ResNet-18 with the ImageNet stem reads a 1x1 map at up to 16 px (layer4's first
+    convolution), 2x2 from 17 px; ``image_size`` itself when no such convolution exists (a ViT's patches)."""
+    convs = [m for m in backbone.modules() if isinstance(m, nn.Conv2d) and max(m.stride) > 1 and max(m.padding) > 0]
+    return min([image_size, *_input_sides(backbone, image_size, convs)])
+
+
+def last_map_side(backbone: nn.Module, image_size: int) -> int | None:
+    """The smaller side of the map ``backbone``'s last global average pool reads for a square ``image_size``
+    input; ``None`` without such a pool (a ViT). ResNet-18 with the ImageNet stem: 1 at up to 32 px, 2 from
+    33 px."""
+    pools = [m for m in backbone.modules() if isinstance(m, nn.AdaptiveAvgPool2d)]
+    sides = _input_sides(backbone, image_size, pools[-1:]) if pools else []
+    return sides[0] if sides else None

@@ -20,8 +20,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from torch import nn
+
+from moco_retrieval.trainer.backbones import last_map_side
 
 EMBED_SCALE = 2  # a ResNet with a 1x1 last map embeds at this times its training size
 
@@ -33,27 +34,6 @@ class EmbeddingSize:
     size: int
     trained: int
     why: str
-
-
-def last_map_side(backbone: nn.Module, image_size: int) -> int | None:
-    """The smaller side of the map ``backbone``'s global average pool reads for a square ``image_size`` input
-    (one forward of a blank image in eval mode, on the backbone's device); ``None`` without such a pool (a
-    ViT). ResNet-18 with the ImageNet stem: 1 at up to 32 px, 2 from 33 px."""
-    pools = [m for m in backbone.modules() if isinstance(m, nn.AdaptiveAvgPool2d)]
-    if not pools:
-        return None
-    sides: list[int] = []
-    hook = pools[-1].register_forward_pre_hook(lambda _, args: sides.append(min(args[0].shape[-2:])))
-    was_training = backbone.training
-    param = next(backbone.parameters())
-    try:
-        backbone.eval()
-        with torch.no_grad():
-            backbone(torch.zeros(1, 3, image_size, image_size, device=param.device, dtype=param.dtype))
-    finally:
-        backbone.train(was_training)
-        hook.remove()
-    return sides[0] if sides else None
 
 
 def embedding_size(backbone: nn.Module, trained: int, requested: int | None = None) -> EmbeddingSize:
