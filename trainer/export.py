@@ -444,13 +444,14 @@ def export_encoder(
     opset = _check_opset(opset)
     out = Path(out)
     _check_output(out)
+    image_size = _check_image_size(image_size)  # before the checkpoint is read
     backbone, cfg, ckpt = load_backbone(checkpoint)
     if image_size is not None and cfg.arch in VITS and image_size != cfg.image_size:
         raise ConfigError(
             f"--image-size {image_size}: a ViT embeds at the size it trained at ({cfg.image_size} px); to change "
             f"it, export with --init {checkpoint} --image-size {image_size} (its position embeddings are resized)"
         )
-    sized = embedding_size(backbone, cfg.image_size, _check_image_size(image_size))
+    sized = embedding_size(backbone, cfg.image_size, image_size)
     LOG.info("embedding at %d px: %s", sized.size, sized.why)
     data_dir = data_dir or cfg.data_dir
     whitening, whitened = fit_for_export(backbone, sized.size, data_dir, whiten, workers=min(cfg.workers, 2))
