@@ -26,21 +26,37 @@ and are written as JSON to --out (default: eval_<protocol>.json next to MODEL).
 
 
 def open_model(
-    model: str, device: str, batch_size: int, workers: int, arch: str | None = None, image_size: int | None = None
+    model: str,
+    device: str,
+    batch_size: int,
+    workers: int,
+    arch: str | None = None,
+    image_size: int | None = None,
+    mirror_average: str | None = None,
 ):
     """An embedder for MODEL: the ONNX encoder for ``.onnx`` files, else the backbone of the checkpoint or
-    weights file (torchvision, timm, MoCo v1/v2/v3: what ``moco train --init`` reads)."""
+    weights file (torchvision, timm, MoCo v1/v2/v3: what ``moco train --init`` reads); ``mirror_average``:
+    ``on`` / ``off`` / None (``moco export``'s default) for the latter."""
     if model.endswith(".onnx"):
         from moco_retrieval.contracts.errors import ConfigError
         from moco_retrieval.indexer.encoder import OnnxEncoder
 
-        if arch is not None or image_size is not None:
-            raise ConfigError("--arch and --image-size go with weights files; an .onnx encoder states its own")
+        if arch is not None or image_size is not None or mirror_average is not None:
+            raise ConfigError(
+                "--arch, --image-size and --mirror-average go with weights files; an .onnx encoder states its own"
+            )
         return OnnxEncoder(model, device=device)
     from moco_retrieval.trainer.evaluate import CheckpointEmbedder
 
+    mirror = None if mirror_average is None else mirror_average == "on"
     return CheckpointEmbedder(
-        model, device=device, batch_size=batch_size, workers=workers, arch=arch, image_size=image_size
+        model,
+        device=device,
+        batch_size=batch_size,
+        workers=workers,
+        arch=arch,
+        image_size=image_size,
+        mirror_average=mirror,
     )
 
 
@@ -57,7 +73,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
         write_results,
     )
 
-    embedder = open_model(args.model, args.device, args.batch_size, args.workers, args.arch, args.image_size)
+    embedder = open_model(
+        args.model, args.device, args.batch_size, args.workers, args.arch, args.image_size, args.mirror_average
+    )
     probe = None
     if args.protocol == "linear":
         probe = LinearProbeConfig(
@@ -117,6 +135,13 @@ def _add_common(p: argparse.ArgumentParser) -> None:
         default=None,
         help="for a weights file: input size in pixels (default: a ViT's own, a ResNet's training size or 224 "
         "for one of other code, twice that where its last stage is a 1x1 map, as `moco export` does)",
+    )
+    p.add_argument(
+        "--mirror-average",
+        choices=("on", "off"),
+        default=None,
+        help="for a run, checkpoint or weights file: average each image's features with its mirror's, as "
+        "`moco export --mirror-average` does (default off)",
     )
     p.add_argument(
         "--train",

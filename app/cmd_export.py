@@ -14,6 +14,10 @@ sees a 2x2 map instead of 1x1, and objects look as large as the training crops s
 collections that added 2-4 points of nearest-neighbour accuracy (Fashion-MNIST 87.3 -> 90.3%) for 4x the
 encoder's work per image; --image-size chooses another size (--image-size 32: the training size).
 
+--mirror-average on embeds each image as the mean of its features and its left-right mirror's, so a mirrored
+copy embeds identically; on real collections that added 0.6-3.8 points of nearest-neighbour accuracy on three
+of four and cost 0.6 on the fourth (tuxpaint), for twice the encoder's work.
+
 By default the embeddings are PCA-whitened: the export embeds up to 10,000 images of the run's data folder
 (or --data), centres the features and scales their principal directions to equal variance, and builds that
 into the file (D = min(features, images / 4)). It needs no labels; on real collections it added 4-11 points
@@ -36,7 +40,14 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     if (args.checkpoint is None) == (args.init is None):
         raise ConfigError("give either a run directory / checkpoint or --init SOURCE, not both or neither")
-    common = dict(fp16=args.fp16, opset=args.opset, verify=args.verify, data_dir=args.data, whiten=args.whiten)
+    common = dict(
+        fp16=args.fp16,
+        opset=args.opset,
+        verify=args.verify,
+        data_dir=args.data,
+        whiten=args.whiten,
+        mirror_average=None if args.mirror_average is None else args.mirror_average == "on",
+    )
     if args.init is not None:
         result = export_pretrained(args.init, args.out, arch=args.arch, image_size=args.image_size, **common)
     else:
@@ -51,7 +62,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     else:
         print("verification skipped (--no-verify)")
     size_mb = result.path.stat().st_size / 1e6
-    print(f"whitening: {meta['whitening']}")
+    print(f"whitening: {meta['whitening']}; mirror-averaged: {'yes' if meta['mirror_average'] == '1' else 'no'}")
     print(
         f"wrote {result.path} ({size_mb:.1f} MB, {meta['precision']}): {model_label(meta)}, "
         f"input uint8 [N, {meta['image_size']}, {meta['image_size']}, 3], output float32 "
@@ -109,6 +120,13 @@ def register(sub) -> None:
         metavar="auto|off|D",
         help="PCA-whiten the embeddings, fitted on --data: auto (default; D = min(features, images / 4), none "
         "with fewer than 200 images), off, or the number of dimensions D to keep",
+    )
+    p.add_argument(
+        "--mirror-average",
+        choices=("on", "off"),
+        default=None,
+        help="embed each image as the mean of its features and its left-right mirror's: on (a mirrored copy "
+        "embeds identically; twice the encoder's work) or off (default)",
     )
     p.add_argument("--out", required=True, metavar="ENCODER_ONNX", help="the .onnx file to write, e.g. encoder.onnx")
     p.add_argument(

@@ -4,7 +4,8 @@
 
 Each model's backbone embeds ``train/`` and ``val/`` (or ``test/``) at every ``--sizes`` side through the
 evaluation transform; k-NN top-1 (k 20, T 0.07) is measured plain and PCA-whitened as ``moco export`` whitens
-(fitted on at most 10,000 ``train/`` images spread over the folder, ``min(D, n // 4)`` directions). A model is
+(fitted on at most 10,000 ``train/`` images spread over the folder, ``min(D, n // 4)`` directions); with
+``--mirror``, also whitened on the mirror-averaged features (``trainer.mirror_average``). A model is
 a run directory or checkpoint, or ``random_bn:ARCH:STEM:SEED`` (random weights, BN statistics fitted on up to
 10,000 ``train/`` images at each size). Rows are appended to ``--out``; ``--summary`` prints the mean per
 collection, model kind and size of one or more result files and plots them (``--png``).
@@ -62,13 +63,28 @@ def backbone_at(model: str, size: int, train_paths: list):
     return backbone.eval(), None
 
 
-def measure(data: Path, models: list[str], sizes: list[int], out: Path) -> None:
+def measure(data: Path, models: list[str], sizes: list[int], out: Path, mirror: bool = False) -> None:
     import torch
     import torch.nn.functional as F
 
     from moco_retrieval.trainer.evaluate import embed_files, load_labeled_pair
     from moco_retrieval.trainer.knn import knn_accuracy
+    from moco_retrieval.trainer.mirror_average import mirror as flip
     from moco_retrieval.trainer.whitening import fit_pca_whitening, whitening_dim
+
+    class Mirrored(torch.nn.Module):  # the backbone on the mirrors (MirrorAveraged in two passes, below)
+        def __init__(self, backbone):
+            super().__init__()
+            self.backbone = backbone
+
+        def forward(self, images):
+            return self.backbone(flip(images))
+
+    def whitened(xtr, xte) -> float:
+        fit = xtr[_spread(list(range(len(xtr))), MAX_FIT_IMAGES)]
+        whitening = fit_pca_whitening(fit, whitening_dim(len(fit), xtr.shape[1]))
+        white = knn_accuracy(F.normalize(whitening(xtr), dim=1), ytr, F.normalize(whitening(xte), dim=1), yte)
+        return round(100 * white, 2)
 
     test_dir = data / "test" if (data / "test").is_dir() else data / "val"
     train, test, _ = load_labeled_pair(data / "train", test_dir)
@@ -83,14 +99,12 @@ def measure(data: Path, models: list[str], sizes: list[int], out: Path) -> None:
             row["trained_size"] = trained
             xtr = embed_files(backbone, train.paths, size, batch_size=512)
             xte = embed_files(backbone, test.paths, size, batch_size=512)
-            fit = xtr[_spread(list(range(len(xtr))), MAX_FIT_IMAGES)]
-            whitening = fit_pca_whitening(fit, whitening_dim(len(fit), xtr.shape[1]))
-            white = knn_accuracy(F.normalize(whitening(xtr), dim=1), ytr, F.normalize(whitening(xte), dim=1), yte)
-            row["by_size"][str(size)] = {
-                "plain": round(100 * knn_accuracy(xtr, ytr, xte, yte), 2),
-                "whitened": round(100 * white, 2),
-                "seconds": round(time.perf_counter() - tic, 1),
-            }
+            got = {"plain": round(100 * knn_accuracy(xtr, ytr, xte, yte), 2), "whitened": whitened(xtr, xte)}
+            if mirror:  # the mirrors' features added to the originals': what MirrorAveraged embeds
+                xtr = F.normalize(xtr + embed_files(Mirrored(backbone), train.paths, size, batch_size=512), dim=1)
+                xte = F.normalize(xte + embed_files(Mirrored(backbone), test.paths, size, batch_size=512), dim=1)
+                got["whitened_mirror"] = whitened(xtr, xte)
+            row["by_size"][str(size)] = {**got, "seconds": round(time.perf_counter() - tic, 1)}
             print(data.name, model, size, row["by_size"][str(size)], flush=True)
         doc["rows"].append(row)
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -111,6 +125,10 @@ def summary(docs: list[dict]) -> list[dict]:
             kind = "random_bn" if row["model"].startswith("random_bn:") else "trained"
             for size, got in row["by_size"].items():
                 groups.setdefault((_label(row["data"]), kind, int(size)), []).append(got["whitened"])
+                if "whitened_mirror" in got:  # --mirror: the mirror-averaged readout, its own line
+                    groups.setdefault((_label(row["data"]), kind + "_mirror", int(size)), []).append(
+                        got["whitened_mirror"]
+                    )
     return [
         {
             "data": data,
@@ -135,7 +153,12 @@ def plot(rows: list[dict], png: Path) -> None:
     collections = sorted({r["data"] for r in rows})
     fig, axes = plt.subplots(1, len(collections), figsize=(3.6 * len(collections), 3.4), squeeze=False)
     for ax, data in zip(axes[0], collections):
-        for kind, style in (("trained", "o-"), ("random_bn", "s--")):
+        for kind, style in (
+            ("trained", "o-"),
+            ("random_bn", "s--"),
+            ("trained_mirror", "^-"),
+            ("random_bn_mirror", "v--"),
+        ):
             pts = sorted(
                 (r["size"], r["whitened_mean"], r["sd"] or 0) for r in rows if (r["data"], r["model"]) == (data, kind)
             )
@@ -160,6 +183,7 @@ def main() -> None:
     p.add_argument("--data", type=Path, help="a labeled split: train/<class>/... and val/ or test/<class>/...")
     p.add_argument("--sizes", default="32,48,64", help="embedding sizes in px, comma-separated")
     p.add_argument("--out", type=Path, help="results JSON (rows are appended)")
+    p.add_argument("--mirror", action="store_true", help="also measure the mirror-averaged readout (whitened_mirror)")
     p.add_argument("--summary", nargs="+", type=Path, metavar="JSON", help="print the means of these and plot them")
     p.add_argument("--png", type=Path, help="with --summary: the plot")
     args = p.parse_args()
@@ -176,7 +200,7 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(2)
-    measure(args.data, args.models, [int(s) for s in args.sizes.split(",")], args.out)
+    measure(args.data, args.models, [int(s) for s in args.sizes.split(",")], args.out, args.mirror)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,8 @@ straight from weights (``moco export --init``) also names them: ``init_source`` 
 ``init_sha256`` and ``init_layout``; its ``moco_version`` is 0 when MoCo did not train them (torchvision, timm).
 ``whitening`` says whether the graph PCA-whitens its features before the final normalization and on how many
 images that was fitted (``pca 128 of 512 dims, 10000 images``; ``none (...)`` with why); older files lack it.
+``mirror_average`` is 1 where the graph embeds each image as the mean of its and its left-right mirror's
+features (:mod:`trainer.mirror_average`), 0 where not; files before 2026-12-06 lack it (and do not).
 :func:`encode_metadata` and :func:`decode_metadata` are each other's inverse; :func:`validate_metadata` is the
 one check a reader runs.
 
@@ -52,6 +54,7 @@ INT_KEYS = (
     "opset",
     "checkpoint_epoch",
     "checkpoint_step",
+    "mirror_average",
 )
 JSON_KEYS = ("mean", "std")
 REQUIRED_KEYS = (
@@ -77,6 +80,7 @@ SUMMARY_KEYS = (
     "resize",
     "precision",
     "whitening",
+    "mirror_average",
     "run_id",
     "format_version",
     "init_source",

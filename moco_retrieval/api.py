@@ -193,13 +193,21 @@ def train(config):
     return _train(config)
 
 
-def export(run: str | os.PathLike, out: str | os.PathLike, fp16: bool = False, image_size: int | None = None):
+def export(
+    run: str | os.PathLike,
+    out: str | os.PathLike,
+    fp16: bool = False,
+    image_size: int | None = None,
+    mirror_average: bool | None = None,
+):
     """``moco export RUN --out OUT``: the run's (or checkpoint's) encoder as an ONNX file, checked against
     PyTorch before it is written; returns the ``ExportResult`` (path, metadata, measured differences).
-    ``image_size``: the side it embeds at (default: ``moco export``'s, :mod:`trainer.embedding_size`)."""
+    ``image_size``: the side it embeds at (default: ``moco export``'s, :mod:`trainer.embedding_size`);
+    ``mirror_average``: average each image with its mirror (default: ``moco export``'s,
+    :mod:`trainer.mirror_average`)."""
     from moco_retrieval.trainer.export import export_encoder
 
-    return export_encoder(run, out, fp16=fp16, image_size=image_size)
+    return export_encoder(run, out, fp16=fp16, image_size=image_size, mirror_average=mirror_average)
 
 
 def __getattr__(name: str):

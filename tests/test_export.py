@@ -17,6 +17,7 @@ from moco_retrieval.contracts.encoder_format import ENCODER_FORMAT, ENCODER_FORM
 from moco_retrieval.contracts.errors import ArtifactError, ConfigError, ExportError, OutputError
 from moco_retrieval.indexer.encoder import read_encoder_metadata
 from tests._checkpoints import key_backbone, write_checkpoint
+from moco_retrieval.trainer.mirror_average import readout
 from moco_retrieval.trainer.export import (
     DEFAULT_OPSET,
     FP32_TOLERANCE,
@@ -60,8 +61,9 @@ def _images(n: int, size: int = 32, seed: int = 0) -> np.ndarray:
 
 
 def _assert_parity(path: Path, run_dir: Path, max_abs: float = 1e-4, min_cosine: float = 0.9999) -> None:
-    backbone, _, _ = load_backbone(run_dir)
-    size = read_encoder_metadata(path)["image_size"]
+    meta = read_encoder_metadata(path)
+    backbone, _ = readout(load_backbone(run_dir)[0], bool(meta["mirror_average"]))
+    size = meta["image_size"]
     for n in (1, 7):
         images = _images(n, size)
         got, want = _ort(path, images), reference_embeddings(backbone, images)
@@ -291,3 +293,47 @@ def test_cli__export_image_size_chooses_the_size_and_is_checked(v2_run, shapes_d
     assert not (tmp_path / "b.onnx").exists() and not (tmp_path / "c.onnx").exists()
     assert CheckpointEmbedder(v2_run, device="cpu").image_size == 64
     assert CheckpointEmbedder(v2_run, device="cpu", image_size=32).image_size == 32
+
+
+def test_mirror_averaged__one_backbone_call_equals_the_mean_of_both_views_and_ignores_a_mirror():
+    """:class:`MirrorAveraged` = normalize(b(x)) + normalize(b(mirror x)), so an image and its mirror give the same
+    vector; ``readout`` wraps by default (``MIRROR_AVERAGE``) and leaves the backbone alone when told to."""
+    from moco_retrieval.trainer.backbones import build_resnet
+    from moco_retrieval.trainer.mirror_average import MIRROR_AVERAGE, MirrorAveraged
+
+    torch.manual_seed(0)
+    backbone = build_resnet("resnet18", "imagenet")[0].eval()
+    x = torch.randn(3, 3, 32, 32)
+    with torch.no_grad():
+        both = MirrorAveraged(backbone)(x)
+        apart = torch.nn.functional.normalize(backbone(x), dim=1) + torch.nn.functional.normalize(
+            backbone(x.flip(3)), dim=1
+        )
+        assert both.shape == (3, 512) and torch.allclose(both, apart, atol=1e-5)
+        assert torch.allclose(MirrorAveraged(backbone)(x.flip(3)), both, atol=1e-5)
+        assert not torch.allclose(backbone(x.flip(3)), backbone(x), atol=1e-3)  # the backbone alone is not
+    assert readout(backbone)[1] is MIRROR_AVERAGE and isinstance(readout(backbone, True)[0], MirrorAveraged)
+    assert readout(backbone, False) == (backbone, False)
+
+
+def test_export__mirror_average_on_request_is_in_the_graph(v2_run, v2_onnx, tmp_path, capsys):
+    """``--mirror-average on`` gives a file that embeds an image and its mirror identically (metadata
+    ``mirror_average`` 1), verified against PyTorch; the default file does not (0); ``moco eval`` of the run
+    reads out as asked, and refuses the flag for an .onnx file, which states its own."""
+    from moco_retrieval.app.cmd_eval import open_model
+    from moco_retrieval.trainer.evaluate import CheckpointEmbedder
+
+    images = _images(5, 64, seed=4)
+    mirrors = np.ascontiguousarray(images[:, :, ::-1])
+    assert read_encoder_metadata(v2_onnx[0])["mirror_average"] == 0
+    assert np.abs(_ort(v2_onnx[0], images) - _ort(v2_onnx[0], mirrors)).max() > 1e-3
+    on = tmp_path / "on.onnx"
+    assert main(["export", str(v2_run), "--out", str(on), "--mirror-average", "on"]) == 0
+    assert "mirror-averaged: yes" in capsys.readouterr().out
+    assert read_encoder_metadata(on)["mirror_average"] == 1
+    assert np.abs(_ort(on, images) - _ort(on, mirrors)).max() < 1e-5
+    _assert_parity(on, v2_run)
+    assert CheckpointEmbedder(v2_run, device="cpu").describe()["mirror_average"] == 0
+    assert CheckpointEmbedder(v2_run, device="cpu", mirror_average=True).describe()["mirror_average"] == 1
+    with pytest.raises(ConfigError, match="--mirror-average go with weights files"):
+        open_model(str(on), "cpu", 16, 0, mirror_average="on")

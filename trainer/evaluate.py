@@ -140,6 +140,8 @@ class CheckpointEmbedder:
         batch_size, workers: feature-extraction loader settings.
         arch: checked against the file's architecture when given.
         image_size: input size (default: a run's own, a ViT's own, 224 for a ResNet of other code).
+        mirror_average: read out as ``moco export`` does, each image averaged with its mirror (default
+            :data:`trainer.mirror_average.MIRROR_AVERAGE`).
     """
 
     kind = "checkpoint"
@@ -152,10 +154,12 @@ class CheckpointEmbedder:
         workers: int = 0,
         arch: str | None = None,
         image_size: int | None = None,
+        mirror_average: bool | None = None,
     ):
         # the export's loader: the same checks and the same backbone as `moco export` (heavy imports, so lazy)
         from moco_retrieval.trainer.device import resolve_device
         from moco_retrieval.trainer.export import embedding_dim
+        from moco_retrieval.trainer.mirror_average import readout
         from moco_retrieval.trainer.pretrained import backbone_from_source
 
         built = backbone_from_source(path, arch, image_size)
@@ -163,9 +167,10 @@ class CheckpointEmbedder:
         self.path = self.source.path
         self.image_size = built.image_size
         self.trained_image_size = built.sized.trained
-        self.embedding_dim = embedding_dim(built.backbone, self.image_size)  # one zero image, on the CPU
+        backbone, self.mirror_average = readout(built.backbone, mirror_average)
+        self.embedding_dim = embedding_dim(backbone, self.image_size)  # one zero image, on the CPU
         self.device = resolve_device(device)
-        self.backbone = built.backbone.to(self.device).eval()
+        self.backbone = backbone.to(self.device).eval()
         self.epoch = self.source.epoch
         self.batch_size, self.workers = batch_size, workers
 
@@ -182,6 +187,7 @@ class CheckpointEmbedder:
             "image_size": self.image_size,
             "trained_image_size": self.trained_image_size,
             "embedding_dim": self.embedding_dim,
+            "mirror_average": int(self.mirror_average),
             "resize": RESIZE_POLICY,
         }
         if src.layout != "moco-retrieval":

@@ -53,6 +53,7 @@ from moco_retrieval.contracts.errors import (
 from moco_retrieval.contracts.images import check_image, decode_image, iter_image_files
 from moco_retrieval.trainer.config import VITS
 from moco_retrieval.trainer.embedding_size import EmbeddingSize, embedding_size
+from moco_retrieval.trainer.mirror_average import readout
 from moco_retrieval.trainer.whitening import fit_for_export
 
 if TYPE_CHECKING:
@@ -319,6 +320,7 @@ def _metadata(
     fp16: bool,
     opset: int,
     whitening: str,
+    mirror_average: bool,
     init: dict | None = None,
 ) -> dict[str, str]:
     """The encoder file's ``metadata_props`` (:mod:`contracts.encoder_format`); ``sized``: the size it embeds at
@@ -340,6 +342,7 @@ def _metadata(
         "output": f"{OUTPUT_NAME}: float32 [N, {dim}] L2-normalized",
         "precision": "fp16" if fp16 else "fp32",
         "whitening": whitening,
+        "mirror_average": int(mirror_average),
         "run_id": run_id,
         "checkpoint_epoch": epoch,
         "checkpoint_step": step,
@@ -415,6 +418,7 @@ def export_encoder(
     whiten: str | int = "auto",
     data_dir: str | None = None,
     image_size: int | None = None,
+    mirror_average: bool | None = None,
 ) -> ExportResult:
     """Export a checkpoint's query backbone to ``out`` as an encoder ONNX file, verified against PyTorch.
 
@@ -430,6 +434,8 @@ def export_encoder(
         data_dir: the images to fit the whitening on and verify with (default: the run's own data folder).
         image_size: the side the encoder embeds at (default: :func:`trainer.embedding_size.embedding_size`'s
             choice: twice the training size for a ResNet whose last map is 1x1 there, else the training size).
+        mirror_average: embed each image as the mean of its and its mirror's features (default
+            :data:`trainer.mirror_average.MIRROR_AVERAGE`; twice the encoder's work).
 
     Returns:
         :class:`ExportResult` with the checks' figures.
@@ -453,6 +459,7 @@ def export_encoder(
         )
     sized = embedding_size(backbone, cfg.image_size, image_size)
     LOG.info("embedding at %d px: %s", sized.size, sized.why)
+    backbone, mirror_average = readout(backbone, mirror_average)
     data_dir = data_dir or cfg.data_dir
     whitening, whitened = fit_for_export(backbone, sized.size, data_dir, whiten, workers=min(cfg.workers, 2))
     dim = whitening.out_dim if whitening is not None else embedding_dim(backbone, sized.size)
@@ -467,6 +474,7 @@ def export_encoder(
         fp16,
         opset,
         whitened,
+        mirror_average,
     )
     return _publish(backbone, whitening, sized.size, metadata, out, fp16, opset, verify, tolerance, data_dir, tic)
 
@@ -482,6 +490,7 @@ def export_pretrained(
     tolerance: ParityTolerance | None = None,
     data_dir: str | None = None,
     whiten: str | int = "auto",
+    mirror_average: bool | None = None,
 ) -> ExportResult:
     """Export the backbone of a weights file (``moco export --init SOURCE``: torchvision, timm, MoCo v1/v2/v3
     or a moco-retrieval run, :mod:`trainer.pretrained`) without training, verified like every export. Its
@@ -507,8 +516,9 @@ def export_pretrained(
     _check_output(out)
     built = backbone_from_source(source, arch, _check_image_size(image_size))
     pre = built.pretrained
-    whitening, whitened = fit_for_export(built.backbone.eval(), built.image_size, data_dir, whiten)
-    dim = whitening.out_dim if whitening is not None else embedding_dim(built.backbone, built.image_size)
+    backbone, mirror_average = readout(built.backbone.eval(), mirror_average)
+    whitening, whitened = fit_for_export(backbone, built.image_size, data_dir, whiten)
+    dim = whitening.out_dim if whitening is not None else embedding_dim(backbone, built.image_size)
     metadata = _metadata(
         pre.arch,
         pre.moco_version,
@@ -520,11 +530,10 @@ def export_pretrained(
         fp16,
         opset,
         whitened,
+        mirror_average,
         init={"init_source": pre.name, "init_sha256": pre.sha256, "init_layout": pre.layout},
     )
-    return _publish(
-        built.backbone, whitening, built.image_size, metadata, out, fp16, opset, verify, tolerance, data_dir, tic
-    )
+    return _publish(backbone, whitening, built.image_size, metadata, out, fp16, opset, verify, tolerance, data_dir, tic)
 
 
 def _check_image_size(image_size: int | None) -> int | None:
