@@ -47,8 +47,8 @@ def open_model(
             )
         return OnnxEncoder(model, device=device)
     from moco_retrieval.trainer.evaluate import CheckpointEmbedder
+    from moco_retrieval.trainer.mirror_average import parse_mirror_average
 
-    mirror = None if mirror_average is None else mirror_average == "on"
     return CheckpointEmbedder(
         model,
         device=device,
@@ -56,7 +56,7 @@ def open_model(
         workers=workers,
         arch=arch,
         image_size=image_size,
-        mirror_average=mirror,
+        mirror_average=parse_mirror_average(mirror_average),
     )
 
 

@@ -37,6 +37,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     from moco_retrieval.contracts.encoder_format import model_label
     from moco_retrieval.contracts.errors import ConfigError
     from moco_retrieval.trainer.export import export_encoder, export_pretrained
+    from moco_retrieval.trainer.mirror_average import parse_mirror_average
 
     if (args.checkpoint is None) == (args.init is None):
         raise ConfigError("give either a run directory / checkpoint or --init SOURCE, not both or neither")
@@ -46,7 +47,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         verify=args.verify,
         data_dir=args.data,
         whiten=args.whiten,
-        mirror_average=None if args.mirror_average is None else args.mirror_average == "on",
+        mirror_average=parse_mirror_average(args.mirror_average),
     )
     if args.init is not None:
         result = export_pretrained(args.init, args.out, arch=args.arch, image_size=args.image_size, **common)

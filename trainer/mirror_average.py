@@ -33,6 +33,11 @@ from torch import nn
 MIRROR_AVERAGE = False  # the default readout of `moco export` and `moco eval` of a checkpoint
 
 
+def parse_mirror_average(value: str | None) -> bool | None:
+    """``--mirror-average``'s value: ``on`` -> True, ``off`` -> False, not given (None) -> None (the default)."""
+    return None if value is None else value == "on"
+
+
 def mirror(images: torch.Tensor) -> torch.Tensor:
     """The left-right mirror of ``[N, C, H, W]`` images."""
     return images.flip(3)
