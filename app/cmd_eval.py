@@ -141,7 +141,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
         choices=("on", "off"),
         default=None,
         help="for a run, checkpoint or weights file: average each image's features with its mirror's, as "
-        "`moco export --mirror-average` does (default off)",
+        "`moco export --mirror-average` does: on (default) or off",
     )
     p.add_argument(
         "--train",

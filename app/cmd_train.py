@@ -48,7 +48,12 @@ def _print_train_result(result) -> None:
     if result.knn_acc is not None:
         start = "--init weights" if result.init else "random init"
         before = f" ({start} {100 * result.knn_before:.1f}%)" if result.knn_before is not None else ""
-        whitened = f", {100 * result.knn_whitened:.1f}% whitened as exported" if result.knn_whitened is not None else ""
+        whitened = (
+            f", {100 * result.knn_whitened:.1f}% whitened at the training size (the monitor's; `moco eval knn` "
+            "measures the readout `moco export` writes)"
+            if result.knn_whitened is not None
+            else ""
+        )
         knn = f", k-NN top-1 {100 * result.knn_acc:.1f}%{before}{whitened}"
     loss = f", loss {result.loss:.3f}" if result.loss is not None else ""
     print(

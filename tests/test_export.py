@@ -316,24 +316,25 @@ def test_mirror_averaged__one_backbone_call_equals_the_mean_of_both_views_and_ig
     assert readout(backbone, False) == (backbone, False)
 
 
-def test_export__mirror_average_on_request_is_in_the_graph(v2_run, v2_onnx, tmp_path, capsys):
-    """``--mirror-average on`` gives a file that embeds an image and its mirror identically (metadata
-    ``mirror_average`` 1), verified against PyTorch; the default file does not (0); ``moco eval`` of the run
-    reads out as asked, and refuses the flag for an .onnx file, which states its own."""
+def test_export__mirror_average_by_default_is_in_the_graph_and_off_on_request(v2_run, v2_onnx, tmp_path, capsys):
+    """The default file embeds an image and its mirror identically (metadata ``mirror_average`` 1), verified
+    against PyTorch; ``--mirror-average off`` gives one that does not (0); ``moco eval`` of the run reads out as
+    asked, and refuses the flag for an .onnx file, which states its own."""
     from moco_retrieval.app.cmd_eval import open_model
     from moco_retrieval.trainer.evaluate import CheckpointEmbedder
 
     images = _images(5, 64, seed=4)
     mirrors = np.ascontiguousarray(images[:, :, ::-1])
-    assert read_encoder_metadata(v2_onnx[0])["mirror_average"] == 0
-    assert np.abs(_ort(v2_onnx[0], images) - _ort(v2_onnx[0], mirrors)).max() > 1e-3
-    on = tmp_path / "on.onnx"
-    assert main(["export", str(v2_run), "--out", str(on), "--mirror-average", "on"]) == 0
-    assert "mirror-averaged: yes" in capsys.readouterr().out
+    on = v2_onnx[0]
     assert read_encoder_metadata(on)["mirror_average"] == 1
     assert np.abs(_ort(on, images) - _ort(on, mirrors)).max() < 1e-5
-    _assert_parity(on, v2_run)
-    assert CheckpointEmbedder(v2_run, device="cpu").describe()["mirror_average"] == 0
-    assert CheckpointEmbedder(v2_run, device="cpu", mirror_average=True).describe()["mirror_average"] == 1
+    off = tmp_path / "off.onnx"
+    assert main(["export", str(v2_run), "--out", str(off), "--mirror-average", "off"]) == 0
+    assert "mirror-averaged: no" in capsys.readouterr().out
+    assert read_encoder_metadata(off)["mirror_average"] == 0
+    assert np.abs(_ort(off, images) - _ort(off, mirrors)).max() > 1e-3
+    _assert_parity(off, v2_run)
+    assert CheckpointEmbedder(v2_run, device="cpu").describe()["mirror_average"] == 1
+    assert CheckpointEmbedder(v2_run, device="cpu", mirror_average=False).describe()["mirror_average"] == 0
     with pytest.raises(ConfigError, match="--mirror-average go with weights files"):
-        open_model(str(on), "cpu", 16, 0, mirror_average="on")
+        open_model(str(on), "cpu", 16, 0, mirror_average="off")

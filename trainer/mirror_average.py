@@ -4,21 +4,21 @@
 MoCo trains with random horizontal flips, so an image and its mirror should embed alike, but a short CPU run
 leaves them apart. Averaging the two (test-time augmentation by flipping) makes the readout exactly
 mirror-invariant: a mirrored copy of a photo finds the original at distance zero, and the k-NN classifier sees
-a less noisy view. Measured with ``bench/embedding_size.py --mirror`` (embedded at 64 px, whitened as ``moco
-export`` whitens, k-NN top-1 k = 20; ``bench/results/mirror_average_*.json``), plain -> mirror-averaged:
+a less noisy view. Measured with ``bench/embedding_size.py --mirror`` on the 30-minute default runs (whitened
+as ``moco export`` whitens, k-NN top-1 k = 20; ``bench/results/mirror_average_*.json``), plain ->
+mirror-averaged at 64 px (the default size, :mod:`trainer.embedding_size`):
 
-- Fashion-MNIST 60,000 / 10,000, the 30-minute default runs, seeds 0 / 1: 90.20 -> 90.77%, 89.93 -> 90.49%;
-- 4-minute default runs, seed 0: Oxygen icons 71.0 -> 73.0%, openclipart 59.6 -> 63.4%, tuxpaint 51.7 -> 51.1%.
+- Fashion-MNIST 60,000 / 10,000, seeds 0 / 1: 90.20 -> 90.77%, 89.93 -> 90.49%;
+- seed 0: tuxpaint 52.75 -> 62.64%, openclipart 64.95 -> 66.50%, Oxygen icons 72.62 -> 72.22%.
 
-Random weights with fitted BN gain too (openclipart +5.0, tuxpaint +3.8 points, means of 3 seeds; icons -0.2):
-averaging removes noise that a random network's features carry. The cost is the encoder's work per image,
-twice.
+4-minute default runs, seed 0: icons 71.0 -> 73.0%, openclipart 59.6 -> 63.4%, tuxpaint 51.7 -> 51.1%. Random
+weights with fitted BN gain too (64 px, means of 3 seeds: openclipart 53.2 -> 58.2%, tuxpaint 43.6 -> 47.4%,
+icons 70.6 -> 70.4%): averaging removes noise that a random network's features carry. The cost is the
+encoder's work per image, twice.
 
-``moco export --mirror-average on`` bakes it into the ONNX graph (metadata ``mirror_average``), before the
-whitening and the final normalisation, so indexing and serving get it with no change to the encoder format;
-``moco eval --mirror-average on`` of a checkpoint reads out the same way. It is not the default
-(:data:`MIRROR_AVERAGE`): the small collections were measured at 4 minutes and one seed only, and random BN
-gains as much as the trained encoder on two of them.
+``moco export`` bakes it into the ONNX graph by default (metadata ``mirror_average``; ``--mirror-average off``
+for the backbone's features alone), before the whitening and the final normalisation, so indexing and serving
+get it with no change to the encoder format; ``moco eval`` of a checkpoint reads out the same way.
 
     images [N, 3, H, W] --cat with flip(images)--> backbone --normalize--> [2, N, D] --sum--> [N, D]
 """
@@ -29,8 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# Off by default until 30-minute runs of the small collections, several seeds, confirm the 4-minute ones
-MIRROR_AVERAGE = False  # the default readout of `moco export` and `moco eval` of a checkpoint
+MIRROR_AVERAGE = True  # the default readout of `moco export` and `moco eval` of a checkpoint
 
 
 def parse_mirror_average(value: str | None) -> bool | None:
