@@ -23,6 +23,7 @@ from moco_retrieval.app.cli import main
 from moco_retrieval.contracts.errors import ArtifactError, ConfigError
 from moco_retrieval.indexer.encoder import read_encoder_metadata
 from moco_retrieval.trainer.export import FP32_TOLERANCE, compare, export_pretrained, reference_embeddings
+from moco_retrieval.trainer.mirror_average import readout
 from moco_retrieval.trainer.pretrained import (
     backbone_from_source,
     configure,
@@ -478,8 +479,9 @@ def test_export_index_search__from_a_torchvision_state_dict(sources, shapes_dir,
     (out,) = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"]).run(
         ["embeddings"], {"images": images}
     )
+    assert meta["mirror_average"] == 1  # the default readout: each image with its mirror
     with torch.no_grad():
-        assert compare(out, reference_embeddings(reference, images), FP32_TOLERANCE).passed
+        assert compare(out, reference_embeddings(readout(reference, True)[0], images), FP32_TOLERANCE).passed
     index = tmp_path / "index"
     assert main(["index", str(shapes_dir), "--model", str(onnx_path), "--out", str(index)]) == 0
     query = sorted(shapes_dir.rglob("*.png"))[5]
@@ -506,8 +508,9 @@ def test_export__moco_v3_vit_layout_matches_within_the_export_tolerance(sources,
     (out,) = ort.InferenceSession(str(tmp_path / "vit.onnx"), providers=["CPUExecutionProvider"]).run(
         ["embeddings"], {"images": images}
     )
+    assert read_encoder_metadata(tmp_path / "vit.onnx")["mirror_average"] == 1
     with torch.no_grad():
-        assert compare(out, reference_embeddings(reference, images), FP32_TOLERANCE).passed
+        assert compare(out, reference_embeddings(readout(reference, True)[0], images), FP32_TOLERANCE).passed
 
 
 def test_export_cli__needs_one_source(tmp_path, capsys):

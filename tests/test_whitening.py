@@ -14,6 +14,7 @@ from moco_retrieval.app.cli import main
 from moco_retrieval.contracts.errors import ConfigError, DataError
 from moco_retrieval.indexer.encoder import read_encoder_metadata
 from moco_retrieval.trainer.export import export_encoder, load_backbone, reference_embeddings
+from moco_retrieval.trainer.mirror_average import readout
 from moco_retrieval.trainer.whitening import (
     SAMPLES_PER_DIM,
     fit_for_export,
@@ -135,6 +136,8 @@ def test_export__whitened_file_matches_pytorch_and_says_so(run_and_data, tmp_pat
     assert meta["embedding_dim"] == 30 and meta["whitening"] == "pca 30 of 512 dims, 120 images"
     assert result.checks and all(c.passed for c in result.checks)
     backbone, cfg, _ = load_backbone(run)
+    backbone, _ = readout(backbone, bool(meta["mirror_average"]))  # mirror-averaged, as the default file is
+    assert meta["mirror_average"] == 1
     size = meta["image_size"]  # the whitening is fitted at the size the file embeds at (twice 32 px here)
     assert (size, meta["trained_image_size"]) == (2 * cfg.image_size, cfg.image_size)
     whitening, _ = fit_for_export(backbone, size, data, "auto", min_images=100)

@@ -140,8 +140,8 @@ class CheckpointEmbedder:
         batch_size, workers: feature-extraction loader settings.
         arch: checked against the file's architecture when given.
         image_size: input size (default: a run's own, a ViT's own, 224 for a ResNet of other code).
-        mirror_average: average each image's features with its mirror's, as ``moco export --mirror-average
-            on`` does (default :data:`trainer.mirror_average.MIRROR_AVERAGE`).
+        mirror_average: average each image's features with its mirror's, as ``moco export`` does by default
+            (default :data:`trainer.mirror_average.MIRROR_AVERAGE`).
     """
 
     kind = "checkpoint"
