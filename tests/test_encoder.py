@@ -34,6 +34,7 @@ from tests._checkpoints import write_checkpoint
 from moco_retrieval.trainer.demo_data import draw_shape
 from moco_retrieval.trainer.eval_transform import eval_transform
 from moco_retrieval.trainer.export import export_encoder, load_backbone
+from moco_retrieval.trainer.mirror_average import readout
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +87,8 @@ def test_encoder__image_file_embedding_equals_pytorch_eval_transform(exported, e
     for i, (w, h) in enumerate([(50, 37), (29, 61), (32, 32)]):
         paths.append(tmp_path / f"img{i}.png")
         _photo(w, h, seed=10 + i).save(paths[-1])
-    backbone, _, _ = load_backbone(exported[1])
+    mirrored = bool(read_encoder_metadata(exported[0])["mirror_average"])  # 1: the default readout
+    backbone, _ = readout(load_backbone(exported[1])[0], mirrored)
     with torch.no_grad():
         x = torch.stack([eval_transform(32)(decode_image(p)) for p in paths])
         want = F.normalize(backbone(x), dim=1).numpy()
