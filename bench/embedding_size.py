@@ -5,10 +5,12 @@
 Each model's backbone embeds ``train/`` and ``val/`` (or ``test/``) at every ``--sizes`` side through the
 evaluation transform; k-NN top-1 (k 20, T 0.07) is measured plain and PCA-whitened as ``moco export`` whitens
 (fitted on at most 10,000 ``train/`` images spread over the folder, ``min(D, n // 4)`` directions); with
-``--mirror``, also whitened on the mirror-averaged features (``trainer.mirror_average``). A model is
+``--mirror``, also whitened on the mirror-averaged features (``trainer.mirror_average``); with ``--layer3`` as well,
+also on layer3's average-pooled features beside layer4's (each L2-normalised, concatenated, mirror-averaged). A model is
 a run directory or checkpoint, or ``random_bn:ARCH:STEM:SEED`` (random weights, BN statistics fitted on up to
 10,000 ``train/`` images at each size). Rows are appended to ``--out``; ``--summary`` prints the mean per
-collection, model kind and size of one or more result files and plots them (``--png``).
+collection, model kind and size of one or more result files and plots them (``--png``); ``--curve`` plots
+the mirror-averaged readout of a run's checkpoints against its epochs, random BN as a band.
 
     python bench/embedding_size.py --data /work/datasets/icons_split --sizes 32,48,64 \\
         --out bench/results/embedding_size_30m.json runs/icons_s0 random_bn:resnet18:imagenet:0
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 import time
@@ -40,8 +43,8 @@ def _spread(items: list, n: int) -> list:
 
 
 def backbone_at(model: str, size: int, train_paths: list):
-    """``(backbone in eval mode, training size or None)`` of a run / checkpoint, or of ``random_bn:ARCH:STEM:SEED``
-    with its BN statistics fitted at ``size``."""
+    """``(backbone in eval mode, {"trained_size", "epoch", "step"} or {})`` of a run / checkpoint, or of
+    ``random_bn:ARCH:STEM:SEED`` with its BN statistics fitted at ``size``."""
     import torch
     from torch.optim.swa_utils import update_bn
     from torch.utils.data import DataLoader
@@ -52,18 +55,20 @@ def backbone_at(model: str, size: int, train_paths: list):
     from moco_retrieval.trainer.export import load_backbone
 
     if not model.startswith("random_bn:"):
-        backbone, cfg, _ = load_backbone(model)
-        return backbone.eval(), cfg.image_size
+        backbone, cfg, ckpt = load_backbone(model)
+        return backbone.eval(), {"trained_size": cfg.image_size, "epoch": ckpt["epoch"], "step": ckpt["step"]}
     _, arch, stem, seed = model.split(":")
     torch.manual_seed(int(seed))
     backbone, _ = build_resnet(arch, stem)
     loader = DataLoader(_Images(_spread(train_paths, MAX_FIT_IMAGES), eval_transform(size)), batch_size=256)
     with torch.no_grad():  # a batch of one has no batch statistics
         update_bn((x for x in loader if len(x) > 1), backbone)
-    return backbone.eval(), None
+    return backbone.eval(), {}
 
 
-def measure(data: Path, models: list[str], sizes: list[int], out: Path, mirror: bool = False) -> None:
+def measure(
+    data: Path, models: list[str], sizes: list[int], out: Path, mirror: bool = False, layer3: bool = False
+) -> None:
     import torch
     import torch.nn.functional as F
 
@@ -79,6 +84,16 @@ def measure(data: Path, models: list[str], sizes: list[int], out: Path, mirror: 
 
         def forward(self, images):
             return self.backbone(flip(images))
+
+    class Layers34(torch.nn.Module):  # a ResNet's layer3 (average-pooled) beside its output, each normalised
+        def __init__(self, backbone):
+            super().__init__()
+            self.backbone, self.pooled3 = backbone, None
+            backbone.layer3.register_forward_hook(lambda module, inputs, output: setattr(self, "pooled3", output))
+
+        def forward(self, images):
+            layer4 = F.normalize(self.backbone(images), dim=1)
+            return torch.cat([F.normalize(self.pooled3.mean((2, 3)), dim=1), layer4], dim=1)
 
     def whitened(xtr, xte) -> float:
         fit = xtr[_spread(list(range(len(xtr))), MAX_FIT_IMAGES)]
@@ -96,7 +111,7 @@ def measure(data: Path, models: list[str], sizes: list[int], out: Path, mirror: 
         for size in sizes:
             tic = time.perf_counter()
             backbone, trained = backbone_at(model, size, train.paths)
-            row["trained_size"] = trained
+            row.update(trained)
             xtr = embed_files(backbone, train.paths, size, batch_size=512)
             xte = embed_files(backbone, test.paths, size, batch_size=512)
             got = {"plain": round(100 * knn_accuracy(xtr, ytr, xte, yte), 2), "whitened": whitened(xtr, xte)}
@@ -104,6 +119,13 @@ def measure(data: Path, models: list[str], sizes: list[int], out: Path, mirror: 
                 xtr = F.normalize(xtr + embed_files(Mirrored(backbone), train.paths, size, batch_size=512), dim=1)
                 xte = F.normalize(xte + embed_files(Mirrored(backbone), test.paths, size, batch_size=512), dim=1)
                 got["whitened_mirror"] = whitened(xtr, xte)
+            if mirror and layer3:
+                both = Layers34(backbone)
+                xtr = embed_files(both, train.paths, size, batch_size=512)
+                xte = embed_files(both, test.paths, size, batch_size=512)
+                xtr = F.normalize(xtr + embed_files(Mirrored(both), train.paths, size, batch_size=512), dim=1)
+                xte = F.normalize(xte + embed_files(Mirrored(both), test.paths, size, batch_size=512), dim=1)
+                got["whitened_mirror_layer34"] = whitened(xtr, xte)
             row["by_size"][str(size)] = {**got, "seconds": round(time.perf_counter() - tic, 1)}
             print(data.name, model, size, row["by_size"][str(size)], flush=True)
         doc["rows"].append(row)
@@ -125,10 +147,9 @@ def summary(docs: list[dict]) -> list[dict]:
             kind = "random_bn" if row["model"].startswith("random_bn:") else "trained"
             for size, got in row["by_size"].items():
                 groups.setdefault((_label(row["data"]), kind, int(size)), []).append(got["whitened"])
-                if "whitened_mirror" in got:  # --mirror: the mirror-averaged readout, its own line
-                    groups.setdefault((_label(row["data"]), kind + "_mirror", int(size)), []).append(
-                        got["whitened_mirror"]
-                    )
+                for key, suffix in (("whitened_mirror", "_mirror"), ("whitened_mirror_layer34", "_mirror_layer34")):
+                    if key in got:  # --mirror (--layer3): those readouts, each its own line
+                        groups.setdefault((_label(row["data"]), kind + suffix, int(size)), []).append(got[key])
     return [
         {
             "data": data,
@@ -158,6 +179,8 @@ def plot(rows: list[dict], png: Path) -> None:
             ("random_bn", "s--"),
             ("trained_mirror", "^-"),
             ("random_bn_mirror", "v--"),
+            ("trained_mirror_layer34", "D-"),
+            ("random_bn_mirror_layer34", "d--"),
         ):
             pts = sorted(
                 (r["size"], r["whitened_mean"], r["sd"] or 0) for r in rows if (r["data"], r["model"]) == (data, kind)
@@ -177,6 +200,56 @@ def plot(rows: list[dict], png: Path) -> None:
     plt.close(fig)
 
 
+def _epoch(row: dict) -> int | None:
+    """The epochs a trained row's model had run: recorded, or in a ``checkpoint_NNNN.pt`` name."""
+    if "epoch" in row:
+        return row["epoch"]
+    found = re.search(r"checkpoint_(\d+)\.pt$", row["model"])
+    return int(found.group(1)) if found else None
+
+
+def plot_curves(docs: list[dict], png: Path) -> None:
+    """The mirror-averaged whitened top-1 of each run's checkpoints against its epochs, a panel per collection,
+    with random BN's mean +- sd (the ``random_bn:`` rows) as a band: how soon a run reaches its final readout."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs: dict[str, dict[str, list]] = {}
+    random_bn: dict[str, list[float]] = {}
+    for row in (row for doc in docs for row in doc["rows"]):
+        got = next(iter(row["by_size"].values()))
+        if "whitened_mirror" not in got:
+            continue
+        data = _label(row["data"])
+        if row["model"].startswith("random_bn:"):
+            random_bn.setdefault(data, []).append(got["whitened_mirror"])
+        elif _epoch(row) is not None:
+            run = str(Path(row["model"]).parent if row["model"].endswith(".pt") else Path(row["model"]))
+            runs.setdefault(data, {}).setdefault(run, []).append((_epoch(row), got["whitened_mirror"]))
+    collections = sorted(runs)
+    fig, axes = plt.subplots(1, len(collections), figsize=(3.6 * len(collections), 3.4), squeeze=False)
+    for ax, data in zip(axes[0], collections):
+        for run, points in sorted(runs[data].items()):
+            points.sort()
+            ax.plot([e for e, _ in points], [a for _, a in points], "o-", ms=3, label=Path(run).name)
+        if data in random_bn:
+            mean = statistics.mean(random_bn[data])
+            sd = statistics.stdev(random_bn[data]) if len(random_bn[data]) > 1 else 0.0
+            ax.axhspan(mean - sd, mean + sd, color="grey", alpha=0.25)
+            ax.axhline(mean, color="grey", ls="--", label=f"random BN ({len(random_bn[data])})")
+        ax.set_title(data.replace("_split", ""), fontsize=9)
+        ax.set_xlabel("epochs trained")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    axes[0][0].set_ylabel("k-NN top-1, whitened, mirror (%)")
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("models", nargs="*", help="run dirs, checkpoints or random_bn:ARCH:STEM:SEED")
@@ -184,9 +257,17 @@ def main() -> None:
     p.add_argument("--sizes", default="32,48,64", help="embedding sizes in px, comma-separated")
     p.add_argument("--out", type=Path, help="results JSON (rows are appended)")
     p.add_argument("--mirror", action="store_true", help="also measure the mirror-averaged readout (whitened_mirror)")
+    p.add_argument("--layer3", action="store_true", help="with --mirror: also layer3 beside layer4 (ResNets)")
     p.add_argument("--summary", nargs="+", type=Path, metavar="JSON", help="print the means of these and plot them")
-    p.add_argument("--png", type=Path, help="with --summary: the plot")
+    p.add_argument("--curve", nargs="+", type=Path, metavar="JSON", help="plot checkpoints' readout by epoch (--png)")
+    p.add_argument("--png", type=Path, help="with --summary or --curve: the plot")
     args = p.parse_args()
+    if args.curve:
+        if not args.png:
+            p.error("--curve needs --png")
+        plot_curves([json.loads(f.read_text()) for f in args.curve], args.png)
+        print(f"wrote {args.png}")
+        return
     if args.summary:
         rows = summary([json.loads(f.read_text()) for f in args.summary])
         for row in rows:
@@ -200,7 +281,7 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(2)
-    measure(args.data, args.models, [int(s) for s in args.sizes.split(",")], args.out, args.mirror)
+    measure(args.data, args.models, [int(s) for s in args.sizes.split(",")], args.out, args.mirror, args.layer3)
 
 
 if __name__ == "__main__":
