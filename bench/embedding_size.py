@@ -278,6 +278,8 @@ def main() -> None:
         return
     if not (args.data and args.models and args.out):
         p.error("--data, MODELS and --out are required (or --summary JSON...)")
+    if args.layer3 and not args.mirror:
+        p.error("--layer3 measures the mirror-averaged readout: add --mirror")
     import torch
 
     torch.set_num_threads(2)
