@@ -101,6 +101,14 @@ def measure(
         white = knn_accuracy(F.normalize(whitening(xtr), dim=1), ytr, F.normalize(whitening(xte), dim=1), yte)
         return round(100 * white, 2)
 
+    def with_mirrors(model, xtr, xte, size: int) -> tuple:
+        """``model``'s features of the mirrors added to ``xtr`` / ``xte`` (its features of the images), normalised:
+        what MirrorAveraged embeds."""
+        return tuple(
+            F.normalize(x + embed_files(Mirrored(model), paths, size, batch_size=512), dim=1)
+            for x, paths in ((xtr, train.paths), (xte, test.paths))
+        )
+
     test_dir = data / "test" if (data / "test").is_dir() else data / "val"
     train, test, _ = load_labeled_pair(data / "train", test_dir)
     ytr, yte = torch.as_tensor(train.labels), torch.as_tensor(test.labels)
@@ -115,17 +123,13 @@ def measure(
             xtr = embed_files(backbone, train.paths, size, batch_size=512)
             xte = embed_files(backbone, test.paths, size, batch_size=512)
             got = {"plain": round(100 * knn_accuracy(xtr, ytr, xte, yte), 2), "whitened": whitened(xtr, xte)}
-            if mirror:  # the mirrors' features added to the originals': what MirrorAveraged embeds
-                xtr = F.normalize(xtr + embed_files(Mirrored(backbone), train.paths, size, batch_size=512), dim=1)
-                xte = F.normalize(xte + embed_files(Mirrored(backbone), test.paths, size, batch_size=512), dim=1)
-                got["whitened_mirror"] = whitened(xtr, xte)
-            if mirror and layer3:
+            if mirror:
+                got["whitened_mirror"] = whitened(*with_mirrors(backbone, xtr, xte, size))
+            if mirror and layer3:  # layer4 is embedded again here, beside layer3: a second pass, for this option only
                 both = Layers34(backbone)
                 xtr = embed_files(both, train.paths, size, batch_size=512)
                 xte = embed_files(both, test.paths, size, batch_size=512)
-                xtr = F.normalize(xtr + embed_files(Mirrored(both), train.paths, size, batch_size=512), dim=1)
-                xte = F.normalize(xte + embed_files(Mirrored(both), test.paths, size, batch_size=512), dim=1)
-                got["whitened_mirror_layer34"] = whitened(xtr, xte)
+                got["whitened_mirror_layer34"] = whitened(*with_mirrors(both, xtr, xte, size))
             row["by_size"][str(size)] = {**got, "seconds": round(time.perf_counter() - tic, 1)}
             print(data.name, model, size, row["by_size"][str(size)], flush=True)
         doc["rows"].append(row)
