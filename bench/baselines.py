@@ -1,5 +1,5 @@
 """What a trained encoder must beat on one labeled collection, at full size: k-NN top-1 of raw pixels (L2, k of
-1 / 5 / 20) and of a random ResNet-18 at 32 px, as initialised and with its BatchNorm statistics fitted, several
+1 / 5 / 20) and of a random ResNet-18 at 32 px (``--image-size``), as initialised and with its BatchNorm statistics fitted, several
 seeds (issue 20's two baselines). The same measurement as ``bench/learning_curves.py``'s baseline lines, over up
 to ``--max-images`` images per split instead of the monitor's 5,000, so that it compares with ``moco eval knn``
 on the whole collection.
@@ -31,10 +31,11 @@ def main() -> None:
     p.add_argument("--max-images", type=int, default=5000, help="images per split (evenly spread)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--cache-dir", default=None, help="decoded-image cache (default: the trainer's)")
+    p.add_argument("--image-size", type=int, default=32, help="px the pixels and the random networks are read at")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     start = time.perf_counter()
-    found = random_baselines(Path(args.data), args.seeds, args.cache_dir, args.max_images)
+    found = random_baselines(Path(args.data), args.seeds, args.cache_dir, args.max_images, args.image_size)
     spread = {
         name: {"mean": round(statistics.mean(found[name]), 4), "sd": round(statistics.stdev(found[name]), 4)}
         for name in ("random", "random_bn")
@@ -46,7 +47,9 @@ def main() -> None:
         "command": "python " + " ".join(sys.argv),
         "data": args.data,
         "max_images": args.max_images,
-        "protocol": "the monitor's k-NN (k 20, T 0.07) at 32 px for the networks; L2 majority vote for the pixels",
+        "image_size": args.image_size,
+        "protocol": f"the monitor's k-NN (k 20, T 0.07) at {args.image_size} px for the networks; L2 majority vote "
+        "for the pixels",
         **found,
         "spread": spread,
         "seconds": round(time.perf_counter() - start, 1),

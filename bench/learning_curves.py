@@ -111,11 +111,14 @@ def exclusive(lock: str | None):
         yield
 
 
-def random_baselines(knn: Path, seeds: list[int], cache_root: str | None, max_images: int = 5000) -> dict:
+def random_baselines(
+    knn: Path, seeds: list[int], cache_root: str | None, max_images: int = 5000, image_size: int = IMAGE_SIZE
+) -> dict:
     """k-NN top-1 of randomly initialised backbones, per seed: ``{"random": [...], "random_bn": [...],
     "random_bn_whitened": [...]}``, the second after fitting the BatchNorm statistics to the k-NN bank's
     evaluation crops (weights unchanged), the third those features PCA-whitened as the monitor whitens a trained
-    backbone's, and of the raw pixels; the monitor's k-NN over at most ``max_images`` images per split."""
+    backbone's, and of the raw pixels; the monitor's k-NN at ``image_size`` px over at most ``max_images``
+    images per split."""
     import torch
     from torch.optim.swa_utils import update_bn
 
@@ -123,7 +126,7 @@ def random_baselines(knn: Path, seeds: list[int], cache_root: str | None, max_im
     from moco_retrieval.trainer.monitor import KnnMonitor
 
     cpu = torch.device("cpu")
-    monitor = KnnMonitor(knn, IMAGE_SIZE, max_images=max_images, cache_root=cache_root)
+    monitor = KnnMonitor(knn, image_size, max_images=max_images, cache_root=cache_root)
     raw, fitted, fitted_whitened = [], [], []
     for seed in seeds:
         torch.manual_seed(seed)

@@ -50,7 +50,8 @@ def test_survey__samples_a_fixed_even_spread_of_large_folders():
 
 @pytest.mark.parametrize(
     "median, on_gpu, expected",
-    [(8, False, 32), (28, False, 32), (33, False, 32), (900, False, 32)]
+    [(8, False, 28), (27, False, 28), (28, False, 28), (31, False, 31), (32, False, 32), (33, False, 32)]
+    + [(900, False, 32)]
     + [(8, True, 32), (28, True, 32), (32, True, 32), (33, True, 48), (100, True, 112), (224, True, 224)]
     + [(900, True, 224)],
 )
@@ -58,7 +59,16 @@ def test_image_size_rule__rounds_the_median_side_up_within_the_devices_range(med
     cfg = resolve_model_and_size(_config(), _survey(median), 1000, 1, on_gpu)
     assert cfg.image_size == expected
     assert f"median shorter side {median} px" in cfg.derived["image_size"]["why"]
-    assert ("lost to it in 4-minute runs" in cfg.derived["image_size"]["why"]) is not on_gpu
+    assert ("lost to it in 4-minute runs" in cfg.derived["image_size"]["why"]) is (not on_gpu and expected == 32)
+    assert ("at their own size" in cfg.derived["image_size"]["why"]) is (not on_gpu and expected < 32)
+
+
+def test_image_size_rule__images_under_32_px_keep_their_size_for_moco_v2_on_a_cpu_only():
+    """The native size was measured for MoCo v2 on a CPU (Fashion-MNIST, 28 px); v3 and the papers' recipe keep
+    their sizes."""
+    v3 = resolve_model_and_size(_config(moco_version=3, arch="resnet18"), _survey(28), 1000, 1, False)
+    paper = resolve_model_and_size(_config(recipe="paper"), _survey(28), 1000, 1, False)
+    assert (v3.image_size, paper.image_size) == (32, table.PAPER_IMAGE_SIZE)
 
 
 def test_arch_rule__resnet18_on_a_cpu_resnet50_on_a_gpu_and_the_papers_values_one_flag_away():
@@ -106,13 +116,13 @@ def test_train__defaults_pick_resnet18_at_the_images_size_record_why_and_the_sam
     cfg = _defaults_config(small_images, tmp_path / "run")
     first = train(cfg, stop_at_epoch=1)
     saved = json.loads((tmp_path / "run" / "config.json").read_text())
-    assert (saved["arch"], saved["image_size"]) == ("resnet18", 32)
+    assert (saved["arch"], saved["image_size"]) == ("resnet18", table.NATIVE_FLOOR_CPU_V2)  # 20 px: upscaled to 28
     assert saved["extra"]["image_survey"]["median_side"] == 20
     assert "median shorter side 20 px" in saved["derived"]["image_size"]["why"]
     assert "CPU" in saved["derived"]["arch"]["why"]
     resumed = train(cfg)  # the identical command: resumes, never re-derives, never refuses
     assert resumed.steps == 2 * first.steps
-    assert load_checkpoint(tmp_path / "run")["config"]["image_size"] == 32
+    assert load_checkpoint(tmp_path / "run")["config"]["image_size"] == table.NATIVE_FLOOR_CPU_V2
 
 
 def test_train__a_run_saved_before_auto_resumes_with_its_own_network_and_size(small_images, tmp_path):
