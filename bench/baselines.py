@@ -1,8 +1,8 @@
 """What a trained encoder must beat on one labeled collection, at full size: k-NN top-1 of raw pixels (L2, k of
-1 / 5 / 20) and of a random ResNet-18 at 32 px (``--image-size``), as initialised and with its BatchNorm statistics fitted, several
-seeds (issue 20's two baselines). The same measurement as ``bench/learning_curves.py``'s baseline lines, over up
-to ``--max-images`` images per split instead of the monitor's 5,000, so that it compares with ``moco eval knn``
-on the whole collection.
+1 / 5 / 20) and of a random ResNet-18 at 32 px (``--image-size``), as initialised and with its BatchNorm
+statistics fitted, several seeds (issue 20's two baselines). The same measurement as
+``bench/learning_curves.py``'s baseline lines, over up to ``--max-images`` images per split instead of the
+monitor's 5,000, so that it compares with ``moco eval knn`` on the whole collection.
 
     python bench/baselines.py --data /work/scratch/acc30/data --max-images 60000 --seeds 0 1 2 \\
         --out bench/results/baselines_fmnist60k.json
@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from bench.learning_curves import random_baselines  # noqa: E402
+from bench.learning_curves import IMAGE_SIZE, random_baselines  # noqa: E402
 from bench.machine import machine  # noqa: E402
 
 
@@ -31,7 +31,9 @@ def main() -> None:
     p.add_argument("--max-images", type=int, default=5000, help="images per split (evenly spread)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--cache-dir", default=None, help="decoded-image cache (default: the trainer's)")
-    p.add_argument("--image-size", type=int, default=32, help="px the pixels and the random networks are read at")
+    p.add_argument(
+        "--image-size", type=int, default=IMAGE_SIZE, help="px the pixels and the random networks are read at"
+    )
     p.add_argument("--out", required=True)
     args = p.parse_args()
     start = time.perf_counter()

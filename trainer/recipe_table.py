@@ -199,11 +199,11 @@ def _init_lr(s: Situation) -> float:
     return float(f"{INIT_LR_FRACTION * _scratch_lr(s):.4g}")
 
 
-def native_side(median_side: int, side_range: tuple[int, int]) -> int:
+def native_side(median_side: int, side_range: tuple[int, int], step: int = SIDE_STEP) -> int:
     """The training size for images whose median shorter side is ``median_side``: rounded up to a multiple of
-    :data:`SIDE_STEP`, within ``side_range``."""
+    ``step``, within ``side_range``."""
     low, high = side_range
-    return max(low, min(high, -(-median_side // SIDE_STEP) * SIDE_STEP))
+    return max(low, min(high, -(-median_side // step) * step))
 
 
 def _auto_side(s: Situation) -> int:
@@ -225,8 +225,8 @@ def _cpu_v2_side(s: Situation) -> int:
     """MoCo v2 on a CPU: images whose median shorter side is under 32 px train at that side (never below
     :data:`NATIVE_FLOOR_CPU_V2`), not upscaled to 32; larger ones as :func:`_auto_side`."""
     if s.survey is None:
-        return SIDE_RANGE_CPU[1]
-    return max(NATIVE_FLOOR_CPU_V2, min(SIDE_RANGE_CPU[1], s.survey.median_side))
+        return _auto_side(s)
+    return native_side(s.survey.median_side, (NATIVE_FLOOR_CPU_V2, SIDE_RANGE_CPU[1]), step=1)
 
 
 def _cpu_v2_side_why(s: Situation) -> str:
