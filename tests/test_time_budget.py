@@ -4,6 +4,7 @@ a rerun continues to the same plan and the same deadline."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -137,15 +138,19 @@ def test_train__interrupted_budget_run_continues_to_the_same_plan(shapes_dir, tm
         "--log-every",
         "1",
     ]
+    # one thread: the run must make at least 5 steps between its re-plans at 10 and 16 s, and two threads
+    # contending with other work for 2 cores ran 7 images/s (1.1 s a step), too few for the second re-plan
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=ctrl_c_reaches_it
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, preexec_fn=ctrl_c_reaches_it
     )
     deadline = time.time() + 120
-    while time.time() < deadline:  # interrupt once the plan is final: planned, then planned again at 10 and 16 s
-        config = run / "config.json"
+    while time.time() < deadline and proc.poll() is None:  # interrupt once the plan is final: planned, then
+        config = run / "config.json"  # planned again at 10 and 16 s
         if config.exists() and '"time_budget": "20s"' in config.read_text() and "50% and 80%" in config.read_text():
             break
         time.sleep(0.05)
+    assert proc.poll() is None, "the run ended before its second re-plan: too slow a machine for this test"
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err[-2000:]
@@ -153,7 +158,7 @@ def test_train__interrupted_budget_run_continues_to_the_same_plan(shapes_dir, tm
     planned = first["schedule"]["total_steps"]
     assert first["schedule"]["replans"] == 2 and first["config"]["derived"]["epochs"]["why"].count("re-planned") == 1
     assert planned > 0 and first["step"] < planned and first["schedule"]["spent_seconds"] < 20
-    rerun = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    rerun = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert rerun.returncode == 0, rerun.stderr[-2000:]
     final = load_checkpoint(run)
     assert final["schedule"]["total_steps"] == planned and final["schedule"]["replans"] == 2  # the same plan
