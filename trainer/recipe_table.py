@@ -240,9 +240,9 @@ def _cpu_v2_side_why(s: Situation) -> str:
 
 
 NATIVE_WHY_CPU_V2 = (  # bench/results/native_size_fmnist60k_30m.json
-    "the 60,000 28-px Fashion-MNIST photos ran 2,809-3,305 steps in 30 minutes at 28 px against 2,786-2,850 "
-    "upscaled to 32, and scored 90.57 +- 0.38% k-NN top-1 at the export's readout against 90.21 +- 0.75% "
-    "(seeds 0-2: 91.01 / 90.39 / 90.31% against 90.77 / 90.49 / 89.36%)"
+    "the 60,000 28-px Fashion-MNIST photos ran 3,104-3,305 steps in 30 minutes at 28 px against 2,786-2,850 "
+    "upscaled to 32, and scored 90.61 +- 0.36% k-NN top-1 at the export's readout against 90.21 +- 0.75% "
+    "(seeds 0-2: 91.01 / 90.52 / 90.31% against 90.77 / 90.49 / 89.36%)"
 )
 
 
