@@ -6,7 +6,9 @@ Each model's backbone embeds ``train/`` and ``val/`` (or ``test/``) at every ``-
 evaluation transform; k-NN top-1 (k 20, T 0.07) is measured plain and PCA-whitened as ``moco export`` whitens
 (fitted on at most 10,000 ``train/`` images spread over the folder, ``min(D, n // 4)`` directions); with
 ``--mirror``, also whitened on the mirror-averaged features (``trainer.mirror_average``); with ``--layer3`` as well,
-also on layer3's average-pooled features beside layer4's (each L2-normalised, concatenated, mirror-averaged). A model is
+also on layer3's average-pooled features beside layer4's (each L2-normalised, concatenated, mirror-averaged); with
+``--refit-bn``, a trained model is measured again after its BN statistics are fitted at each size as random BN's
+are (``refit_bn``: FixRes / AdaBN's re-estimation, the training's crops replaced by the images). A model is
 a run directory or checkpoint, or ``random_bn:ARCH:STEM:SEED`` (random weights, BN statistics fitted on up to
 10,000 ``train/`` images at each size). Rows are appended to ``--out``; ``--summary`` prints the mean per
 collection, model kind and size of one or more result files and plots them (``--png``); ``--curve`` plots
@@ -46,12 +48,8 @@ def backbone_at(model: str, size: int, train_paths: list):
     """``(backbone in eval mode, {"trained_size", "epoch", "step"} or {})`` of a run / checkpoint, or of
     ``random_bn:ARCH:STEM:SEED`` with its BN statistics fitted at ``size``."""
     import torch
-    from torch.optim.swa_utils import update_bn
-    from torch.utils.data import DataLoader
 
     from moco_retrieval.trainer.backbones import build_resnet
-    from moco_retrieval.trainer.eval_transform import eval_transform
-    from moco_retrieval.trainer.evaluate import _Images
     from moco_retrieval.trainer.export import load_backbone
 
     if not model.startswith("random_bn:"):
@@ -60,14 +58,34 @@ def backbone_at(model: str, size: int, train_paths: list):
     _, arch, stem, seed = model.split(":")
     torch.manual_seed(int(seed))
     backbone, _ = build_resnet(arch, stem)
+    return fit_bn(backbone, size, train_paths), {}
+
+
+def fit_bn(backbone, size: int, train_paths: list):
+    """``backbone`` (in place, returned in eval mode) with its BatchNorm statistics replaced by those of up to
+    ``MAX_FIT_IMAGES`` ``train/`` images at ``size`` through the evaluation transform: random BN's fit, and with
+    ``--refit-bn`` a trained encoder's (FixRes: statistics of the readout's size and images, not the crops')."""
+    import torch
+    from torch.optim.swa_utils import update_bn
+    from torch.utils.data import DataLoader
+
+    from moco_retrieval.trainer.eval_transform import eval_transform
+    from moco_retrieval.trainer.evaluate import _Images
+
     loader = DataLoader(_Images(_spread(train_paths, MAX_FIT_IMAGES), eval_transform(size)), batch_size=256)
     with torch.no_grad():  # a batch of one has no batch statistics
         update_bn((x for x in loader if len(x) > 1), backbone)
-    return backbone.eval(), {}
+    return backbone.eval()
 
 
 def measure(
-    data: Path, models: list[str], sizes: list[int], out: Path, mirror: bool = False, layer3: bool = False
+    data: Path,
+    models: list[str],
+    sizes: list[int],
+    out: Path,
+    mirror: bool = False,
+    layer3: bool = False,
+    refit_bn: bool = False,
 ) -> None:
     import torch
     import torch.nn.functional as F
@@ -130,6 +148,16 @@ def measure(
                 xtr = embed_files(both, train.paths, size, batch_size=512)
                 xte = embed_files(both, test.paths, size, batch_size=512)
                 got["whitened_mirror_layer34"] = whitened(*with_mirrors(both, xtr, xte, size))
+            if refit_bn and trained:  # the same checkpoint with BN statistics fitted at this size, as random BN's
+                fit_bn(backbone, size, train.paths)
+                xtr = embed_files(backbone, train.paths, size, batch_size=512)
+                xte = embed_files(backbone, test.paths, size, batch_size=512)
+                got["refit_bn"] = {
+                    "plain": round(100 * knn_accuracy(xtr, ytr, xte, yte), 2),
+                    "whitened": whitened(xtr, xte),
+                }
+                if mirror:
+                    got["refit_bn"]["whitened_mirror"] = whitened(*with_mirrors(backbone, xtr, xte, size))
             row["by_size"][str(size)] = {**got, "seconds": round(time.perf_counter() - tic, 1)}
             print(data.name, model, size, row["by_size"][str(size)], flush=True)
         doc["rows"].append(row)
@@ -151,9 +179,16 @@ def summary(docs: list[dict]) -> list[dict]:
             kind = "random_bn" if row["model"].startswith("random_bn:") else "trained"
             for size, got in row["by_size"].items():
                 groups.setdefault((_label(row["data"]), kind, int(size)), []).append(got["whitened"])
+                if "refit_bn" in got:
+                    groups.setdefault((_label(row["data"]), kind + "_refit_bn", int(size)), []).append(
+                        got["refit_bn"]["whitened"]
+                    )
                 for key, suffix in (("whitened_mirror", "_mirror"), ("whitened_mirror_layer34", "_mirror_layer34")):
                     if key in got:  # --mirror (--layer3): those readouts, each its own line
                         groups.setdefault((_label(row["data"]), kind + suffix, int(size)), []).append(got[key])
+                    if key in got.get("refit_bn", {}):  # --refit-bn: the same readouts after the refit
+                        group = (_label(row["data"]), kind + "_refit_bn" + suffix, int(size))
+                        groups.setdefault(group, []).append(got["refit_bn"][key])
     return [
         {
             "data": data,
@@ -262,6 +297,9 @@ def main() -> None:
     p.add_argument("--out", type=Path, help="results JSON (rows are appended)")
     p.add_argument("--mirror", action="store_true", help="also measure the mirror-averaged readout (whitened_mirror)")
     p.add_argument("--layer3", action="store_true", help="with --mirror: also layer3 beside layer4 (ResNets)")
+    p.add_argument(
+        "--refit-bn", action="store_true", help="trained models: also with BN statistics fitted at each size (refit_bn)"
+    )
     p.add_argument("--summary", nargs="+", type=Path, metavar="JSON", help="print the means of these and plot them")
     p.add_argument("--curve", nargs="+", type=Path, metavar="JSON", help="plot checkpoints' readout by epoch (--png)")
     p.add_argument("--png", type=Path, help="with --summary or --curve: the plot")
@@ -287,7 +325,8 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(2)
-    measure(args.data, args.models, [int(s) for s in args.sizes.split(",")], args.out, args.mirror, args.layer3)
+    sizes = [int(s) for s in args.sizes.split(",")]
+    measure(args.data, args.models, sizes, args.out, args.mirror, args.layer3, args.refit_bn)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,9 @@ straight from weights (``moco export --init``) also names them: ``init_source`` 
 images that was fitted (``pca 128 of 512 dims, 10000 images``; ``none (...)`` with why); older files lack it.
 ``mirror_average`` is 1 where the graph embeds each image as the mean of its and its left-right mirror's
 features (:mod:`trainer.mirror_average`), 0 where not; files before 2026-12-06 lack it (and do not).
+``bn_statistics`` says where the graph's BatchNorm statistics come from (``refit on 10000 images at 56 px``:
+re-estimated at export, :mod:`trainer.bn_statistics`; ``training's (...)`` with why); files before 2026-12-07
+lack it (and hold the training's).
 :func:`encode_metadata` and :func:`decode_metadata` are each other's inverse; :func:`validate_metadata` is the
 one check a reader runs.
 
@@ -81,6 +84,7 @@ SUMMARY_KEYS = (
     "precision",
     "whitening",
     "mirror_average",
+    "bn_statistics",
     "run_id",
     "format_version",
     "init_source",

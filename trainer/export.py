@@ -54,6 +54,7 @@ from moco_retrieval.contracts.images import check_image, decode_image, iter_imag
 from moco_retrieval.trainer.config import VITS
 from moco_retrieval.trainer.embedding_size import EmbeddingSize, embedding_size
 from moco_retrieval.trainer.mirror_average import readout
+from moco_retrieval.trainer.bn_statistics import refit_for_export
 from moco_retrieval.trainer.whitening import fit_for_export
 
 if TYPE_CHECKING:
@@ -321,11 +322,13 @@ def _metadata(
     opset: int,
     whitening: str,
     mirror_average: bool,
+    bn_statistics: str,
     init: dict | None = None,
 ) -> dict[str, str]:
     """The encoder file's ``metadata_props`` (:mod:`contracts.encoder_format`); ``sized``: the size it embeds at
     and the size it trained at; ``whitening``: what :func:`trainer.whitening.fit_for_export` did, in one line;
-    ``init``: the source of a ``moco export --init`` (``init_source``, ``init_sha256``, ``init_layout``)."""
+    ``bn_statistics``: what :func:`trainer.bn_statistics.refit_for_export` did, in one line; ``init``: the
+    source of a ``moco export --init`` (``init_source``, ``init_sha256``, ``init_layout``)."""
     image_size = sized.size
     values = {
         "format": ENCODER_FORMAT,
@@ -343,6 +346,7 @@ def _metadata(
         "precision": "fp16" if fp16 else "fp32",
         "whitening": whitening,
         "mirror_average": int(mirror_average),
+        "bn_statistics": bn_statistics,
         "run_id": run_id,
         "checkpoint_epoch": epoch,
         "checkpoint_step": step,
@@ -419,6 +423,7 @@ def export_encoder(
     data_dir: str | None = None,
     image_size: int | None = None,
     mirror_average: bool | None = None,
+    refit_bn: str = "auto",
 ) -> ExportResult:
     """Export a checkpoint's query backbone to ``out`` as an encoder ONNX file, verified against PyTorch.
 
@@ -436,12 +441,15 @@ def export_encoder(
             choice: twice the training size for a ResNet whose last map is 1x1 there, else the training size).
         mirror_average: embed each image as the mean of its and its mirror's features (default
             :data:`trainer.mirror_average.MIRROR_AVERAGE`; twice the encoder's work).
+        refit_bn: ``auto`` (re-estimate the BatchNorm statistics on the whitening's sample of ``data_dir`` at
+            the embedding size, :mod:`trainer.bn_statistics`) or ``off`` (keep the training's).
 
     Returns:
         :class:`ExportResult` with the checks' figures.
 
     Raises:
-        ConfigError: opset out of range, a bad ``whiten`` or ``image_size``. OutputError: ``out`` not writable.
+        ConfigError: opset out of range, a bad ``whiten``, ``refit_bn`` or ``image_size``. OutputError: ``out``
+            not writable.
         ArtifactError: checkpoint missing, unreadable or foreign.
         DataError: ``whiten`` is a number and the data folder cannot provide enough images.
         ExportError: export failed or the check found a mismatch (no file is left at ``out``).
@@ -459,9 +467,11 @@ def export_encoder(
         )
     sized = embedding_size(backbone, cfg.image_size, image_size)
     LOG.info("embedding at %d px: %s", sized.size, sized.why)
-    backbone, mirror_average = readout(backbone, mirror_average)
     data_dir = data_dir or cfg.data_dir
-    whitening, whitened = fit_for_export(backbone, sized.size, data_dir, whiten, workers=min(cfg.workers, 2))
+    workers = min(cfg.workers, 2)
+    bn_statistics = refit_for_export(backbone, sized.size, data_dir, refit_bn, workers=workers)  # before the whitening
+    backbone, mirror_average = readout(backbone, mirror_average)
+    whitening, whitened = fit_for_export(backbone, sized.size, data_dir, whiten, workers=workers)
     dim = whitening.out_dim if whitening is not None else embedding_dim(backbone, sized.size)
     metadata = _metadata(
         cfg.arch,
@@ -475,6 +485,7 @@ def export_encoder(
         opset,
         whitened,
         mirror_average,
+        bn_statistics,
     )
     return _publish(backbone, whitening, sized.size, metadata, out, fp16, opset, verify, tolerance, data_dir, tic)
 
@@ -494,7 +505,8 @@ def export_pretrained(
 ) -> ExportResult:
     """Export the backbone of a weights file (``moco export --init SOURCE``: torchvision, timm, MoCo v1/v2/v3
     or a moco-retrieval run, :mod:`trainer.pretrained`) without training, verified like every export. Its
-    metadata records the source's file name (``init_source``), sha256 (``init_sha256``) and layout.
+    metadata records the source's file name (``init_source``), sha256 (``init_sha256``) and layout. Its BatchNorm
+    statistics stay the weights file's (no :mod:`trainer.bn_statistics` re-estimation: unmeasured for such weights).
 
     Args:
         source: the weights file (or run directory).
@@ -531,6 +543,7 @@ def export_pretrained(
         opset,
         whitened,
         mirror_average,
+        "the weights file's (--init)",
         init={"init_source": pre.name, "init_sha256": pre.sha256, "init_layout": pre.layout},
     )
     return _publish(backbone, whitening, built.image_size, metadata, out, fp16, opset, verify, tolerance, data_dir, tic)
