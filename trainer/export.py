@@ -51,10 +51,10 @@ from moco_retrieval.contracts.errors import (
     OutputError,
 )
 from moco_retrieval.contracts.images import check_image, decode_image, iter_image_files
+from moco_retrieval.trainer.bn_statistics import refit_for_export
 from moco_retrieval.trainer.config import VITS
 from moco_retrieval.trainer.embedding_size import EmbeddingSize, embedding_size
 from moco_retrieval.trainer.mirror_average import readout
-from moco_retrieval.trainer.bn_statistics import refit_for_export
 from moco_retrieval.trainer.whitening import fit_for_export
 
 if TYPE_CHECKING:
