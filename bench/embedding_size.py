@@ -63,19 +63,12 @@ def backbone_at(model: str, size: int, train_paths: list):
 
 def fit_bn(backbone, size: int, train_paths: list):
     """``backbone`` (in place, returned in eval mode) with its BatchNorm statistics replaced by those of up to
-    ``MAX_FIT_IMAGES`` ``train/`` images at ``size`` through the evaluation transform: random BN's fit, and with
-    ``--refit-bn`` a trained encoder's (FixRes: statistics of the readout's size and images, not the crops')."""
-    import torch
-    from torch.optim.swa_utils import update_bn
-    from torch.utils.data import DataLoader
+    ``MAX_FIT_IMAGES`` ``train/`` images at ``size``, as ``moco export`` re-estimates them
+    (``trainer.bn_statistics``): random BN's fit, and with ``--refit-bn`` a trained encoder's."""
+    from moco_retrieval.trainer.bn_statistics import refit_bn_statistics
 
-    from moco_retrieval.trainer.eval_transform import eval_transform
-    from moco_retrieval.trainer.evaluate import _Images
-
-    loader = DataLoader(_Images(_spread(train_paths, MAX_FIT_IMAGES), eval_transform(size)), batch_size=256)
-    with torch.no_grad():  # a batch of one has no batch statistics
-        update_bn((x for x in loader if len(x) > 1), backbone)
-    return backbone.eval()
+    refit_bn_statistics(backbone, size, _spread(train_paths, MAX_FIT_IMAGES))
+    return backbone
 
 
 def measure(
@@ -127,6 +120,15 @@ def measure(
             for x, paths in ((xtr, train.paths), (xte, test.paths))
         )
 
+    def readouts(backbone, size: int) -> dict:
+        """k-NN top-1 of ``backbone``'s features at ``size``: plain, whitened, and with ``mirror`` mirror-averaged."""
+        xtr = embed_files(backbone, train.paths, size, batch_size=512)
+        xte = embed_files(backbone, test.paths, size, batch_size=512)
+        got = {"plain": round(100 * knn_accuracy(xtr, ytr, xte, yte), 2), "whitened": whitened(xtr, xte)}
+        if mirror:
+            got["whitened_mirror"] = whitened(*with_mirrors(backbone, xtr, xte, size))
+        return got
+
     test_dir = data / "test" if (data / "test").is_dir() else data / "val"
     train, test, _ = load_labeled_pair(data / "train", test_dir)
     ytr, yte = torch.as_tensor(train.labels), torch.as_tensor(test.labels)
@@ -138,26 +140,14 @@ def measure(
             tic = time.perf_counter()
             backbone, trained = backbone_at(model, size, train.paths)
             row.update(trained)
-            xtr = embed_files(backbone, train.paths, size, batch_size=512)
-            xte = embed_files(backbone, test.paths, size, batch_size=512)
-            got = {"plain": round(100 * knn_accuracy(xtr, ytr, xte, yte), 2), "whitened": whitened(xtr, xte)}
-            if mirror:
-                got["whitened_mirror"] = whitened(*with_mirrors(backbone, xtr, xte, size))
+            got = readouts(backbone, size)
             if mirror and layer3:  # layer4 is embedded again here, beside layer3: a second pass, for this option only
                 both = Layers34(backbone)
                 xtr = embed_files(both, train.paths, size, batch_size=512)
                 xte = embed_files(both, test.paths, size, batch_size=512)
                 got["whitened_mirror_layer34"] = whitened(*with_mirrors(both, xtr, xte, size))
             if refit_bn and trained:  # the same checkpoint with BN statistics fitted at this size, as random BN's
-                fit_bn(backbone, size, train.paths)
-                xtr = embed_files(backbone, train.paths, size, batch_size=512)
-                xte = embed_files(backbone, test.paths, size, batch_size=512)
-                got["refit_bn"] = {
-                    "plain": round(100 * knn_accuracy(xtr, ytr, xte, yte), 2),
-                    "whitened": whitened(xtr, xte),
-                }
-                if mirror:
-                    got["refit_bn"]["whitened_mirror"] = whitened(*with_mirrors(backbone, xtr, xte, size))
+                got["refit_bn"] = readouts(fit_bn(backbone, size, train.paths), size)
             row["by_size"][str(size)] = {**got, "seconds": round(time.perf_counter() - tic, 1)}
             print(data.name, model, size, row["by_size"][str(size)], flush=True)
         doc["rows"].append(row)
