@@ -38,13 +38,15 @@ from bench.machine import machine  # noqa: E402
 from moco_retrieval.trainer.config import VITS, TrainConfig  # noqa: E402
 from moco_retrieval.trainer.data import epoch_sampler  # noqa: E402
 from moco_retrieval.trainer.device import cpu_has_native_bf16, resolve_device  # noqa: E402
+from moco_retrieval.trainer.one_position_conv import use_plain_convs  # noqa: E402
 from moco_retrieval.trainer.recipes import resolve_before_training, resolve_schedule  # noqa: E402
 from moco_retrieval.trainer.train import run_epoch, setup, train_step  # noqa: E402
 from moco_retrieval.trainer.variants import variant_for  # noqa: E402
 
 
-def compute_only(cfg: TrainConfig, steps: int, warmup: int) -> dict:
-    """images/s of :func:`train_step` alone on synthetic views of ``cfg``'s size."""
+def compute_only(cfg: TrainConfig, steps: int, warmup: int, plain_convs: bool = False) -> dict:
+    """images/s of :func:`train_step` alone on synthetic views of ``cfg``'s size (``plain_convs``: with every
+    convolution a plain ``nn.Conv2d``, as before :mod:`trainer.one_position_conv`)."""
     device = resolve_device(cfg.device)
     torch.manual_seed(0)
     variant = variant_for(cfg)
@@ -55,6 +57,8 @@ def compute_only(cfg: TrainConfig, steps: int, warmup: int) -> dict:
         torch.cuda.reset_peak_memory_stats(device)
     layout = variant.memory_format
     model = variant.build_model(cfg, _bn_splits(cfg)).to(device, memory_format=layout)
+    if plain_convs:
+        use_plain_convs(model)
     if cfg.compile:
         model.compile_encoders()
     optimizer = variant.build_optimizer(cfg, model)
@@ -74,7 +78,7 @@ def compute_only(cfg: TrainConfig, steps: int, warmup: int) -> dict:
         train_step(model, optimizer, x1, x2, 1e-3, 0.99, bool(cfg.amp), small)
     _sync(device)
     elapsed = time.perf_counter() - tic
-    return _row("compute", cfg, device, steps, elapsed, optimizer)
+    return _row("compute, plain convolutions" if plain_convs else "compute", cfg, device, steps, elapsed, optimizer)
 
 
 def end_to_end(cfg: TrainConfig, steps: int, warmup: int) -> dict:
@@ -223,6 +227,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
         help="GPU: double --batch-size up to this while a step fits in memory, then measure the largest",
     )
     p.add_argument("--phases", action="store_true", help="with --data: also time each phase of an end-to-end step")
+    p.add_argument(
+        "--plain-convs",
+        action="store_true",
+        help="also time the compute step with plain nn.Conv2d layers (no one-position matrix products)",
+    )
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeat", type=int, default=1, help="alternate the modes this many times (median reported)")
@@ -265,6 +274,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     runs: dict[str, list[dict]] = {"compute": [], "end-to-end": []}
                     for _ in range(args.repeat):
                         runs["compute"].append(compute_only(cfg, args.steps, args.warmup))
+                        if args.plain_convs:
+                            plain = compute_only(cfg, args.steps, args.warmup, plain_convs=True)
+                            runs.setdefault("compute, plain convolutions", []).append(plain)
                         if args.data:
                             runs["end-to-end"].append(end_to_end(cfg, args.steps, args.warmup))
                         if args.data and args.phases:

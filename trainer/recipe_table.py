@@ -85,9 +85,9 @@ NOT_MEASURED = "not yet measured on real collections"
 PAPER_ARCH, PAPER_IMAGE_SIZE = "resnet50", 224
 AUTO_ARCH_CPU = "resnet18"  # see ARCH_SPEED_CPU
 AUTO_ARCH_GPU = "resnet50"
-ARCH_SPEED_CPU = (  # bench/results/train_throughput_cpu_r{18_32_64,50_224}_fp32.json, 2 cores, fp32, step alone
-    "ResNet-18 at 32 px trains at 221 images/s on 2 cores, ResNet-50 at 224 px at 2.0: an epoch of 60,000 images "
-    "takes 4.5 minutes against 8 hours"
+ARCH_SPEED_CPU = (  # bench/results/train_throughput_cpu_r{18_32_64,50_224}_fp32.json, one_position_conv_cpu.json
+    "ResNet-18 at 32 px trains at 221-449 images/s on 2 cores, ResNet-50 at 224 px at 2.0: an epoch of 60,000 "
+    "images takes 2-4.5 minutes against 8 hours"
 )
 SIDE_STEP = 16  # an auto training size is the images' median shorter side rounded up to a multiple of this
 SIDE_RANGE_CPU = (32, 32)  # 64 px lost to 32 px at equal time on real collections: see SIDE_WHY_CPU
