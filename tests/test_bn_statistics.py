@@ -129,3 +129,18 @@ def test_cli__refit_bn_goes_with_a_checkpoint_and_its_help_names_the_minimum(tmp
     with pytest.raises(SystemExit):
         main(["export", "--help"])
     assert f"at least {REFIT_BN_MIN_IMAGES} readable images" in " ".join(capsys.readouterr().out.split())
+
+
+def test_export__walks_the_data_folder_once_for_the_refit_and_the_whitening(tmp_path, shapes_dir, monkeypatch):
+    import moco_retrieval.contracts.images as images
+
+    run = write_checkpoint(shapes_dir, tmp_path / "run")
+    data = tmp_path / "data"
+    _images(data / "x", 30, size=32)
+    monkeypatch.setattr("moco_retrieval.trainer.bn_statistics.REFIT_BN_MIN_IMAGES", 30)
+    monkeypatch.setattr("moco_retrieval.trainer.whitening.WHITEN_MIN_IMAGES", 30)
+    walks, walk = [], images.iter_image_files
+    monkeypatch.setattr(images, "iter_image_files", lambda root, *a, **k: walks.append(root) or walk(root, *a, **k))
+    meta = read_encoder_metadata(export_encoder(run, tmp_path / "e.onnx", data_dir=str(data)).path)
+    assert meta["bn_statistics"].startswith("refit on 30 images") and not meta["whitening"].startswith("none")
+    assert walks == [data]

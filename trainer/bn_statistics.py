@@ -14,7 +14,9 @@ has its statistics fitted the same way, so both are read out alike.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -22,6 +24,9 @@ from torch.optim.swa_utils import update_bn
 from torch.utils.data import DataLoader
 
 from moco_retrieval.contracts.errors import ConfigError
+
+if TYPE_CHECKING:
+    from moco_retrieval.trainer.whitening import WhiteningSample
 
 LOG = logging.getLogger(__name__)
 
@@ -97,6 +102,7 @@ def refit_for_export(
     max_images: int | None = None,
     workers: int = 0,
     min_images: int | None = None,
+    listing: Callable[[], WhiteningSample] | None = None,
 ) -> str:
     """What ``moco export`` does to ``backbone``'s BatchNorm statistics before fitting the whitening, in one line
     for the encoder's metadata (no path in it: the log names the folder).
@@ -105,6 +111,8 @@ def refit_for_export(
         setting: ``auto`` (re-estimate them on the whitening's sample of ``data_dir``, at most ``max_images``
             images, at ``image_size``, when at least ``min_images`` of them are readable) or ``off``.
         min_images: default :data:`REFIT_BN_MIN_IMAGES`.
+        listing: ``data_dir``'s sample when the caller lists the folder once for the refit and the whitening;
+            default ``sample_images(data_dir, max_images)``.
 
     Raises:
         ConfigError: ``setting`` is neither.
@@ -121,7 +129,7 @@ def refit_for_export(
     if not data_dir or not Path(data_dir).is_dir():
         LOG.warning("BatchNorm statistics stay the training's: the data folder %s is not available", data_dir)
         return "training's (the data folder is not available)"
-    sample = sample_images(data_dir, max_images or WHITEN_MAX_IMAGES)
+    sample = listing() if listing else sample_images(data_dir, max_images or WHITEN_MAX_IMAGES)
     if len(sample.paths) < min_images:
         return f"training's (only {len(sample.paths)} images, fewer than {min_images})"
     LOG.info("re-estimating BatchNorm statistics on %d images of %s at %d px", len(sample.paths), data_dir, image_size)

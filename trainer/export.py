@@ -17,6 +17,7 @@ and timm ViTs alike with a dynamic batch axis, and is what timm's own ``onnx_exp
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import tempfile
 import time
@@ -55,7 +56,7 @@ from moco_retrieval.trainer.bn_statistics import refit_for_export
 from moco_retrieval.trainer.config import VITS
 from moco_retrieval.trainer.embedding_size import EmbeddingSize, embedding_size
 from moco_retrieval.trainer.mirror_average import readout
-from moco_retrieval.trainer.whitening import fit_for_export
+from moco_retrieval.trainer.whitening import fit_for_export, sample_images
 
 if TYPE_CHECKING:
     from moco_retrieval.trainer.config import TrainConfig
@@ -469,9 +470,11 @@ def export_encoder(
     LOG.info("embedding at %d px: %s", sized.size, sized.why)
     data_dir = data_dir or cfg.data_dir
     workers = min(cfg.workers, 2)
-    bn_statistics = refit_for_export(backbone, sized.size, data_dir, refit_bn, workers=workers)  # before the whitening
+    listing = functools.cache(functools.partial(sample_images, data_dir))  # the folder walked once, when needed
+    # the BN statistics before the whitening: it must see the refitted network
+    bn_statistics = refit_for_export(backbone, sized.size, data_dir, refit_bn, workers=workers, listing=listing)
     backbone, mirror_average = readout(backbone, mirror_average)
-    whitening, whitened = fit_for_export(backbone, sized.size, data_dir, whiten, workers=workers)
+    whitening, whitened = fit_for_export(backbone, sized.size, data_dir, whiten, workers=workers, listing=listing)
     dim = whitening.out_dim if whitening is not None else embedding_dim(backbone, sized.size)
     metadata = _metadata(
         cfg.arch,
