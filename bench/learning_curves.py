@@ -21,7 +21,8 @@ that does not beat it is not worth indexing with.
         --lock /tmp/moco-cpu.lock --out bench/results/learning_curves_cpu_budget.json
 
 ``--from-runs PATTERN`` plots runs that already ended (their folders: PATTERN with ``{name}`` and ``{seed}``)
-instead of training, with the baselines measured on their monitor's own bank, e.g. the 30-minute defaults::
+instead of training, with the baselines measured on their monitor's own bank at their own image size (the
+runs of one data set must share it), e.g. the 30-minute defaults::
 
     python bench/learning_curves.py --from-runs 'runs30/{name}_s{seed}' --datasets tuxpaint icons openclipart \\
         --seeds 0 1 2 --budget 30m --out bench/results/learning_curves_cpu_30m_default.json
@@ -45,6 +46,7 @@ import platform
 import shlex
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -183,10 +185,11 @@ def run_report(run_dir: Path) -> tuple[dict, dict]:
     return config, {"derived": derived, **read_curve(run_dir / "metrics.jsonl")}
 
 
-def finished_run(run_dir: Path, seed: int, budget: str) -> tuple[dict, Path, Path]:
-    """A run that already ended (``--from-runs``), as :func:`run_one` reports one, with its training folder and
-    its monitor's k-NN bank (``--knn-dir``, else the training folder itself, as ``moco train`` picks it). Its
-    ``--seed`` and ``--time-budget`` must be ``seed`` and ``budget``: the plot says so."""
+def finished_run(run_dir: Path, seed: int, budget: str) -> tuple[dict, Path, Path, int]:
+    """A run that already ended (``--from-runs``), as :func:`run_one` reports one, with its training folder, its
+    monitor's k-NN bank (``--knn-dir``, else the training folder itself, as ``moco train`` picks it) and the
+    image size it trained at (its monitor's; the baselines are measured at it). Its ``--seed`` and
+    ``--time-budget`` must be ``seed`` and ``budget``: the plot says so."""
     if not (run_dir / "config.json").is_file():
         raise SystemExit(f"--from-runs: {run_dir} is not a `moco train` run folder (no config.json)")
     config, report = run_report(run_dir)
@@ -196,15 +199,14 @@ def finished_run(run_dir: Path, seed: int, budget: str) -> tuple[dict, Path, Pat
     for option, value, wanted in (
         ("--seed", config.get("seed"), seed),
         ("--time-budget", config.get("time_budget"), budget),
-        # the baselines are this module's network at its size: a run of another one would be compared with them
+        # the baselines are this module's network: a run of another one would be compared with them
         ("--arch", config.get("arch"), ARCH),
-        ("--image-size", config.get("image_size"), IMAGE_SIZE),
         ("--stem", config.get("stem"), "imagenet"),
     ):
         if value != wanted:
             raise SystemExit(f"--from-runs: {run_dir} ran with {option} {value}, not {wanted}")
     train = Path(config["data_dir"])
-    return result, train, Path(config.get("knn_dir") or train)
+    return result, train, Path(config.get("knn_dir") or train), int(config["image_size"])
 
 
 def summarize(runs: list[dict]) -> dict:
@@ -294,16 +296,19 @@ def plot(report: dict, path: Path) -> None:
                     continue
                 mean = 100 * sum(values) / len(values)
                 ax.axhline(mean, color="grey", linestyle=style, linewidth=1.2, label=f"{text}: {mean:.1f} %")
-        ax.set_title(f"{name} ({entry['images']} training images)")
+        ax.set_title(
+            f"{name} ({entry['images']} training images, baselines at {entry.get('image_size', IMAGE_SIZE)} px)"
+        )
         ax.set_xlabel(f"minutes of training (--time-budget {report['budget']}, {report['cpu_count']} CPU cores)")
         ax.set_ylabel("k-NN top-1 (%)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     seeds = report.get("seeds", [0])
-    fig.suptitle(
-        f"MoCo learning curves, ResNet-18 at {IMAGE_SIZE} px unless a recipe sets --image-size (baselines at "
-        f"{IMAGE_SIZE} px), seeds {seeds}: final k-NN mean ± sd over seeds"
+    title = (
+        f"MoCo learning curves, ResNet-18 at {IMAGE_SIZE} px unless a recipe sets --image-size (--from-runs: the "
+        f"runs' size), seeds {seeds}: final k-NN mean ± sd over seeds"
     )
+    fig.suptitle(textwrap.fill(title, width=55 * len(names)), fontsize=10)  # about 55 characters a panel
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -380,13 +385,14 @@ def main(argv: list[str] | None = None) -> dict:
             ended = [finished_run(folder, seed, args.budget) for seed, folder in folders.items() if folder.exists()]
             if not ended:
                 raise SystemExit(f"--from-runs: no run folder for {name} ({', '.join(map(str, folders.values()))})")
-            _, train, knn = ended[0]
-            if any((t, k) != (train, knn) for _, t, k in ended):
-                raise SystemExit(f"--from-runs: the runs of {name} trained or evaluated on different folders")
-            print(f"{name}: the runs of seeds {[r['seed'] for r, _, _ in ended]}", flush=True)
+            _, train, knn, image_size = ended[0]
+            if any((t, k, size) != (train, knn, image_size) for _, t, k, size in ended):
+                raise SystemExit(f"--from-runs: the runs of {name} trained or evaluated on different folders or sizes")
+            print(f"{name}: the runs of seeds {[r['seed'] for r, *_ in ended]} at {image_size} px", flush=True)
         else:
-            name, train, knn = dataset_folders(spec, work)
+            (name, train, knn), image_size = dataset_folders(spec, work), IMAGE_SIZE
         entry = report["datasets"][name] = {
+            "image_size": image_size,
             "train": str(train),
             "knn": str(knn),
             "runs": {},
@@ -395,10 +401,12 @@ def main(argv: list[str] | None = None) -> dict:
         }
         if not args.no_baselines:
             with exclusive(args.lock):
-                entry["baselines"] = random_baselines(knn, args.seeds, os.environ.get("MOCO_CACHE_DIR"))
+                entry["baselines"] = random_baselines(
+                    knn, args.seeds, os.environ.get("MOCO_CACHE_DIR"), image_size=image_size
+                )
             print(f"{name} baselines: {entry['baselines']}", flush=True)
         if args.from_runs:
-            entry["runs"][args.runs_label] = [result for result, _, _ in ended]
+            entry["runs"][args.runs_label] = [result for result, *_ in ended]
             entry["summary"][args.runs_label] = summarize(entry["runs"][args.runs_label])
             continue
         for recipe in args.recipes:
