@@ -391,7 +391,8 @@ def main(argv: list[str] | None = None) -> dict:
                 raise SystemExit(f"--from-runs: the runs of {name} trained or evaluated on different folders or sizes")
             print(f"{name}: the runs of seeds {[r['seed'] for r, *_ in ended]} at {image_size} px", flush=True)
         else:
-            (name, train, knn), image_size = dataset_folders(spec, work), IMAGE_SIZE
+            name, train, knn = dataset_folders(spec, work)
+            image_size = IMAGE_SIZE  # COMMON's
         entry = report["datasets"][name] = {
             "image_size": image_size,
             "train": str(train),
