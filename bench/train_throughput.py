@@ -38,7 +38,7 @@ from bench.machine import machine  # noqa: E402
 from moco_retrieval.trainer.config import VITS, TrainConfig  # noqa: E402
 from moco_retrieval.trainer.data import epoch_sampler  # noqa: E402
 from moco_retrieval.trainer.device import cpu_has_native_bf16, resolve_device  # noqa: E402
-from moco_retrieval.trainer.one_position_conv import use_plain_convs  # noqa: E402
+from moco_retrieval.trainer.small_map_conv import use_plain_convs  # noqa: E402
 from moco_retrieval.trainer.recipes import resolve_before_training, resolve_schedule  # noqa: E402
 from moco_retrieval.trainer.train import run_epoch, setup, train_step  # noqa: E402
 from moco_retrieval.trainer.variants import variant_for  # noqa: E402
@@ -46,7 +46,7 @@ from moco_retrieval.trainer.variants import variant_for  # noqa: E402
 
 def compute_only(cfg: TrainConfig, steps: int, warmup: int, plain_convs: bool = False) -> dict:
     """images/s of :func:`train_step` alone on synthetic views of ``cfg``'s size (``plain_convs``: with every
-    convolution a plain ``nn.Conv2d``, as before :mod:`trainer.one_position_conv`)."""
+    convolution a plain ``nn.Conv2d``, as before :mod:`trainer.small_map_conv`)."""
     device = resolve_device(cfg.device)
     torch.manual_seed(0)
     variant = variant_for(cfg)
@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument(
         "--plain-convs",
         action="store_true",
-        help="also time the compute step with plain nn.Conv2d layers (no one-position matrix products)",
+        help="also time the compute step with plain nn.Conv2d layers (no small-map matrix products)",
     )
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)

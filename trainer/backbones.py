@@ -18,7 +18,7 @@ from torch import nn
 
 from moco_retrieval.contracts.errors import ConfigError
 from moco_retrieval.trainer.config import NARROW_RESNETS, RESNETS, STEM_KERNEL, VITS
-from moco_retrieval.trainer.one_position_conv import use_one_position_convs
+from moco_retrieval.trainer.small_map_conv import use_small_map_convs
 
 
 class SplitBatchNorm2d(nn.BatchNorm2d):
@@ -90,7 +90,7 @@ def build_resnet(arch: str, stem: str = "imagenet", bn_splits: int = 1) -> tuple
         raise ConfigError(f"unknown stem {stem!r}; use {', '.join(STEM_KERNEL)}")
     feature_dim = model.fc.in_features
     model.fc = nn.Identity()
-    return use_one_position_convs(model), feature_dim
+    return use_small_map_convs(model), feature_dim
 
 
 def _set_widths(model: torchvision.models.ResNet, width: int) -> None:
