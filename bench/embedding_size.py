@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""k-NN top-1 of trained runs and of random weights with BN fitted, embedded at several input sizes: what
+"""k-NN top-1 of trained runs and of random weights (BN fitted or as built), embedded at several input sizes: what
 ``trainer.embedding_size`` (``moco export``'s default size) rests on (issue 20).
 
 Each model's backbone embeds ``train/`` and ``val/`` (or ``test/``) at every ``--sizes`` side through the
@@ -9,13 +9,15 @@ evaluation transform; k-NN top-1 (k 20, T 0.07) is measured plain and PCA-whiten
 also on layer3's average-pooled features beside layer4's (each L2-normalised, concatenated, mirror-averaged); with
 ``--refit-bn``, a trained model is measured again after its BN statistics are fitted at each size as random BN's
 are (``refit_bn``: FixRes / AdaBN's re-estimation, the training's crops replaced by the images). A model is
-a run directory or checkpoint, or ``random_bn:ARCH:STEM:SEED`` (random weights, BN statistics fitted on up to
-10,000 ``train/`` images at each size). Rows are appended to ``--out``; ``--summary`` prints the mean per
+a run directory or checkpoint, ``random_bn:ARCH:STEM:SEED`` (random weights, BN statistics fitted on up to
+10,000 ``train/`` images at each size: issue 20's baseline) or ``random:ARCH:STEM:SEED`` (the same weights with
+their BN as built, mean 0 and variance 1, so each BN is the identity: the stronger random line on three of four
+collections, ``bench/results/random_weights_baselines.json``). Rows are appended to ``--out``; ``--summary`` prints the mean per
 collection, model kind and size of one or more result files and plots them (``--png``); ``--curve`` plots
 the mirror-averaged readout of a run's checkpoints against its epochs, random BN as a band.
 
     python bench/embedding_size.py --data /work/datasets/icons_split --sizes 32,48,64 \\
-        --out bench/results/embedding_size_30m.json runs/icons_s0 random_bn:resnet18:imagenet:0
+        --out bench/results/embedding_size_30m.json runs/icons_s0 random_bn:resnet18:imagenet:0 random:resnet18:imagenet:0
     python bench/embedding_size.py --summary bench/results/embedding_size_30m.json \\
         --png bench/results/embedding_size_30m.png
 """
@@ -37,6 +39,13 @@ if str(REPO) not in sys.path:
 from bench.machine import machine  # noqa: E402
 
 MAX_FIT_IMAGES = 10_000
+RANDOM_KINDS = ("random_bn", "random")  # model-name prefixes of the random-weight baselines, before the ":"
+
+
+def model_kind(model: str) -> str:
+    """``random_bn``, ``random`` or ``trained``: which line a model's rows belong to."""
+    prefix = model.split(":", 1)[0]
+    return prefix if prefix in RANDOM_KINDS and ":" in model else "trained"
 
 
 def _spread(items: list, n: int) -> list:
@@ -45,20 +54,22 @@ def _spread(items: list, n: int) -> list:
 
 
 def backbone_at(model: str, size: int, train_paths: list):
-    """``(backbone in eval mode, {"trained_size", "epoch", "step"} or {})`` of a run / checkpoint, or of
-    ``random_bn:ARCH:STEM:SEED`` with its BN statistics fitted at ``size``."""
+    """``(backbone in eval mode, {"trained_size", "epoch", "step"} or {})`` of a run / checkpoint, of
+    ``random_bn:ARCH:STEM:SEED`` with its BN statistics fitted at ``size``, or of ``random:ARCH:STEM:SEED`` as
+    built."""
     import torch
 
     from moco_retrieval.trainer.backbones import build_resnet
     from moco_retrieval.trainer.export import load_backbone
 
-    if not model.startswith("random_bn:"):
+    kind = model_kind(model)
+    if kind == "trained":
         backbone, cfg, ckpt = load_backbone(model)
         return backbone.eval(), {"trained_size": cfg.image_size, "epoch": ckpt["epoch"], "step": ckpt["step"]}
     _, arch, stem, seed = model.split(":")
     torch.manual_seed(int(seed))
     backbone, _ = build_resnet(arch, stem)
-    return fit_bn(backbone, size, train_paths), {}
+    return (fit_bn(backbone, size, train_paths) if kind == "random_bn" else backbone.eval()), {}
 
 
 def fit_bn(backbone, size: int, train_paths: list):
@@ -162,11 +173,11 @@ def _label(data: str) -> str:
 
 
 def summary(docs: list[dict]) -> list[dict]:
-    """Mean and sd of the whitened top-1 per collection, model kind (trained / random BN) and size."""
+    """Mean and sd of the whitened top-1 per collection, model kind (trained / random BN / random) and size."""
     groups: dict[tuple[str, str, int], list[float]] = {}
     for doc in docs:
         for row in doc["rows"]:
-            kind = "random_bn" if row["model"].startswith("random_bn:") else "trained"
+            kind = model_kind(row["model"])
             for size, got in row["by_size"].items():
                 groups.setdefault((_label(row["data"]), kind, int(size)), []).append(got["whitened"])
                 if "refit_bn" in got:
@@ -193,8 +204,8 @@ def summary(docs: list[dict]) -> list[dict]:
 
 
 def plot(rows: list[dict], png: Path) -> None:
-    """Whitened k-NN top-1 against the embedding size, a panel per collection: trained (solid) and random BN
-    (dashed), mean of the models, with their sd as error bars."""
+    """Whitened k-NN top-1 against the embedding size, a panel per collection: trained (solid), random BN
+    (dashed) and random weights as built (dotted), mean of the models, with their sd as error bars."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -210,6 +221,9 @@ def plot(rows: list[dict], png: Path) -> None:
             ("random_bn_mirror", "v--"),
             ("trained_mirror_layer34", "D-"),
             ("random_bn_mirror_layer34", "d--"),
+            ("random", "x:"),
+            ("random_mirror", "+:"),
+            ("random_mirror_layer34", "1:"),
         ):
             pts = sorted(
                 (r["size"], r["whitened_mean"], r["sd"] or 0) for r in rows if (r["data"], r["model"]) == (data, kind)
@@ -239,21 +253,22 @@ def _epoch(row: dict) -> int | None:
 
 def plot_curves(docs: list[dict], png: Path) -> None:
     """The mirror-averaged whitened top-1 of each run's checkpoints against its epochs, a panel per collection,
-    with random BN's mean +- sd (the ``random_bn:`` rows) as a band: how soon a run reaches its final readout."""
+    with each random line's mean +- sd (the ``random_bn:`` and ``random:`` rows) as a band: how soon a run reaches
+    its final readout, and whether it ends above random weights."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     runs: dict[str, dict[str, list]] = {}
-    random_bn: dict[str, list[float]] = {}
+    randoms: dict[tuple[str, str], list[float]] = {}  # (collection, kind) -> readouts
     for row in (row for doc in docs for row in doc["rows"]):
         got = next(iter(row["by_size"].values()))
         if "whitened_mirror" not in got:
             continue
         data = _label(row["data"])
-        if row["model"].startswith("random_bn:"):
-            random_bn.setdefault(data, []).append(got["whitened_mirror"])
+        if model_kind(row["model"]) != "trained":
+            randoms.setdefault((data, model_kind(row["model"])), []).append(got["whitened_mirror"])
         elif _epoch(row) is not None:
             run = str(Path(row["model"]).parent if row["model"].endswith(".pt") else Path(row["model"]))
             runs.setdefault(data, {}).setdefault(run, []).append((_epoch(row), got["whitened_mirror"]))
@@ -263,11 +278,12 @@ def plot_curves(docs: list[dict], png: Path) -> None:
         for run, points in sorted(runs[data].items()):
             points.sort()
             ax.plot([e for e, _ in points], [a for _, a in points], "o-", ms=3, label=Path(run).name)
-        if data in random_bn:
-            mean = statistics.mean(random_bn[data])
-            sd = statistics.stdev(random_bn[data]) if len(random_bn[data]) > 1 else 0.0
-            ax.axhspan(mean - sd, mean + sd, color="grey", alpha=0.25)
-            ax.axhline(mean, color="grey", ls="--", label=f"random BN ({len(random_bn[data])})")
+        for kind, colour, name in (("random_bn", "grey", "random BN"), ("random", "tab:brown", "random, BN as built")):
+            if (data, kind) in randoms:
+                got = randoms[data, kind]
+                mean, sd = statistics.mean(got), statistics.stdev(got) if len(got) > 1 else 0.0
+                ax.axhspan(mean - sd, mean + sd, color=colour, alpha=0.2)
+                ax.axhline(mean, color=colour, ls="--", label=f"{name} ({len(got)})")
         ax.set_title(data.replace("_split", ""), fontsize=9)
         ax.set_xlabel("epochs trained")
         ax.grid(alpha=0.3)
@@ -281,7 +297,7 @@ def plot_curves(docs: list[dict], png: Path) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("models", nargs="*", help="run dirs, checkpoints or random_bn:ARCH:STEM:SEED")
+    p.add_argument("models", nargs="*", help="run dirs, checkpoints, random_bn:ARCH:STEM:SEED or random:ARCH:STEM:SEED")
     p.add_argument("--data", type=Path, help="a labeled split: train/<class>/... and val/ or test/<class>/...")
     p.add_argument("--sizes", default="32,48,64", help="embedding sizes in px, comma-separated")
     p.add_argument("--out", type=Path, help="results JSON (rows are appended)")

@@ -7,9 +7,9 @@ folder, or ``train/`` as the memory bank and ``val/`` classified) is read back f
 budget clock's ``elapsed_s``; the point at 0 minutes is the randomly initialised network. Writes a JSON of every
 curve and a plot beside it (same name, ``.png``), one panel per data set.
 
-Two baselines are measured per data set and seed, in this process: the randomly initialised ResNet as the
-monitor sees it, and the same network with its BatchNorm statistics fitted to the k-NN bank's images
-(``torch.optim.swa_utils.update_bn``, no weight changes). A freshly built network normalises with mean 0 and
+Two baselines are measured per data set and seed, in this process, each plain and PCA-whitened as the monitor
+whitens: the randomly initialised ResNet as the monitor sees it, and the same network with its BatchNorm
+statistics fitted to the k-NN bank's images (``torch.optim.swa_utils.update_bn``, no weight changes). A freshly built network normalises with mean 0 and
 variance 1; a few forward passes over the data lift some collections' k-NN by several points (the Oxygen icons:
 57 -> 69 %) -- a recipe that merely stays near its initialisation while its BatchNorm statistics adapt looks as if
 it learned. On other collections fitting lowers it (Fashion-MNIST at 28 px: 78.4 -> 74.5 %). Learning
@@ -117,11 +117,11 @@ def exclusive(lock: str | None):
 def random_baselines(
     knn: Path, seeds: list[int], cache_root: str | None, max_images: int = 5000, image_size: int = IMAGE_SIZE
 ) -> dict:
-    """k-NN top-1 of randomly initialised backbones, per seed: ``{"random": [...], "random_bn": [...],
-    "random_bn_whitened": [...]}``, the second after fitting the BatchNorm statistics to the k-NN bank's
-    evaluation crops (weights unchanged), the third those features PCA-whitened as the monitor whitens a trained
-    backbone's, and of the raw pixels; the monitor's k-NN at ``image_size`` px over at most ``max_images``
-    images per split."""
+    """k-NN top-1 of randomly initialised backbones, per seed: ``{"random": [...], "random_whitened": [...],
+    "random_bn": [...], "random_bn_whitened": [...]}``, the network as built (each BN the identity) plain and
+    PCA-whitened as the monitor whitens a trained backbone's, then after fitting the BatchNorm statistics to the
+    k-NN bank's evaluation crops (weights unchanged) plain and whitened, and of the raw pixels; the monitor's k-NN
+    at ``image_size`` px over at most ``max_images`` images per split."""
     import torch
     from torch.optim.swa_utils import update_bn
 
@@ -130,11 +130,13 @@ def random_baselines(
 
     cpu = torch.device("cpu")
     monitor = KnnMonitor(knn, image_size, max_images=max_images, cache_root=cache_root)
-    raw, fitted, fitted_whitened = [], [], []
+    raw, raw_whitened, fitted, fitted_whitened = [], [], [], []
     for seed in seeds:
         torch.manual_seed(seed)
         backbone, _ = build_resnet(ARCH, "imagenet")
-        raw.append(monitor.evaluate(backbone, cpu))
+        score = monitor.scores(backbone, cpu)
+        raw.append(score.plain)
+        raw_whitened.append(score.whitened)
         with torch.no_grad():  # a batch of one has no batch statistics
             update_bn((x for x in monitor.inputs(monitor.splits[0], cpu) if len(x) > 1), backbone)
         score = monitor.scores(backbone, cpu)
@@ -144,6 +146,7 @@ def random_baselines(
     return {
         "seeds": seeds,
         "random": raw,
+        "random_whitened": raw_whitened,
         "random_bn": fitted,
         "random_bn_whitened": fitted_whitened,
         "pixels": max(pixels.values()),
@@ -286,6 +289,7 @@ def plot(report: dict, path: Path) -> None:
         base = entry.get("baselines") or {}
         for key, style, text in (
             ("random", ":", "random init"),
+            ("random_whitened", (0, (3, 1, 1, 1)), "random init, whitened"),
             ("random_bn", "-.", "random init, BN fitted"),
             ("random_bn_whitened", (0, (1, 3)), "random init, BN fitted, whitened"),
             ("pixels", "--", "raw pixels, L2, best k of 1/5/20"),

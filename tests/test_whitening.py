@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import numpy as np
@@ -108,7 +109,8 @@ def test_fit_for_export__crosses_the_minimum_image_count(run_and_data):
     assert none is None and "only 120 readable images" in why and "fewer than 121" in why
     w, what = fit_for_export(backbone, cfg.image_size, data, "auto", min_images=120)
     assert w is not None and w.images == 120 and w.out_dim == 120 // SAMPLES_PER_DIM and what == w.describe()
-    w, _ = fit_for_export(backbone, cfg.image_size, data, "auto", max_images=60, min_images=50)
+    sixty = functools.partial(sample_images, data, 60)
+    w, _ = fit_for_export(backbone, cfg.image_size, data, "auto", min_images=50, listing=sixty)
     assert w.images == 59  # the sample is capped at 60 before embedding, and the broken file among them left out
     w, _ = fit_for_export(backbone, cfg.image_size, data, 40, min_images=50)
     assert w.out_dim == 40

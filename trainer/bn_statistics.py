@@ -99,7 +99,6 @@ def refit_for_export(
     image_size: int,
     data_dir: str | Path | None,
     setting: str = "auto",
-    max_images: int | None = None,
     workers: int = 0,
     min_images: int | None = None,
     listing: Callable[[], WhiteningSample] | None = None,
@@ -108,16 +107,16 @@ def refit_for_export(
     for the encoder's metadata (no path in it: the log names the folder).
 
     Args:
-        setting: ``auto`` (re-estimate them on the whitening's sample of ``data_dir``, at most ``max_images``
-            images, at ``image_size``, when at least ``min_images`` of them are readable) or ``off``.
+        setting: ``auto`` (re-estimate them on the whitening's sample of ``data_dir``, at ``image_size``, when at
+            least ``min_images`` of them are readable) or ``off``.
         min_images: default :data:`REFIT_BN_MIN_IMAGES`.
         listing: ``data_dir``'s sample when the caller lists the folder once for the refit and the whitening;
-            default ``sample_images(data_dir, max_images)``.
+            default ``sample_images(data_dir)`` (at most :data:`trainer.whitening.WHITEN_MAX_IMAGES` images).
 
     Raises:
         ConfigError: ``setting`` is neither.
     """
-    from moco_retrieval.trainer.whitening import WHITEN_MAX_IMAGES, sample_images
+    from moco_retrieval.trainer.whitening import sample_images
 
     min_images = REFIT_BN_MIN_IMAGES if min_images is None else min_images
     if setting not in REFIT_BN_CHOICES:
@@ -129,7 +128,7 @@ def refit_for_export(
     if not data_dir or not Path(data_dir).is_dir():
         LOG.warning("BatchNorm statistics stay the training's: the data folder %s is not available", data_dir)
         return "training's (the data folder is not available)"
-    sample = listing() if listing else sample_images(data_dir, max_images or WHITEN_MAX_IMAGES)
+    sample = listing() if listing else sample_images(data_dir)
     if len(sample.paths) < min_images:
         return f"training's (only {len(sample.paths)} images, fewer than {min_images})"
     LOG.info("re-estimating BatchNorm statistics on %d images of %s at %d px", len(sample.paths), data_dir, image_size)

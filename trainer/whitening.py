@@ -153,12 +153,11 @@ def fit_for_export(
     image_size: int,
     data_dir: str | Path | None,
     setting: str | int = "auto",
-    max_images: int = WHITEN_MAX_IMAGES,
     workers: int = 0,
     min_images: int | None = None,
     listing: Callable[[], WhiteningSample] | None = None,
 ) -> tuple[PcaWhitening | None, str]:
-    """The whitening ``moco export`` bakes into an encoder, fitted on up to ``max_images`` images of ``data_dir``.
+    """The whitening ``moco export`` bakes into an encoder, fitted on a sample of ``data_dir``'s images.
 
     Args:
         backbone: float32 backbone in eval mode, ``[N, 3, H, W] -> [N, D]``.
@@ -166,7 +165,8 @@ def fit_for_export(
             ``min(D, n // 4)`` directions; otherwise none), ``off``, or the number of directions to keep.
         min_images: fewest readable images to fit on (default :data:`WHITEN_MIN_IMAGES`).
         listing: ``data_dir``'s sample when the caller lists the folder once for several uses (``moco export``:
-            the BatchNorm refit and the whitening); default ``sample_images(data_dir, max_images)``.
+            the BatchNorm refit and the whitening) or a smaller one (tests); default ``sample_images(data_dir)``
+            (at most :data:`WHITEN_MAX_IMAGES` images, evenly spread).
 
     Returns:
         ``(whitening or None, what was done in one line)``; the line goes into the encoder's metadata, so it
@@ -191,7 +191,7 @@ def fit_for_export(
             raise DataError(f"--whiten {setting} needs the images to fit it on, and {data_dir} is not a folder")
         LOG.warning("not whitening: the data folder %s is not available (give --data DIR)", data_dir)
         return None, "none (the data folder is not available)"
-    sample = listing() if listing else sample_images(data_dir, max_images)
+    sample = listing() if listing else sample_images(data_dir)
     LOG.info("fitting PCA whitening on %d of %d images of %s", len(sample.paths), sample.found, data_dir)
     features = embed_files(backbone, sample.paths, image_size, workers=workers, skip_unreadable=True)
     n = len(features)
