@@ -104,6 +104,13 @@ def test_export__graph_contract_uint8_nhwc_in_l2_normalized_float32_out(v2_onnx)
         np.testing.assert_allclose(np.linalg.norm(emb, axis=1), 1.0, atol=1e-5)
 
 
+def test_export__graph_holds_every_convolution_as_a_conv_node(v2_onnx):
+    """At 64 px ResNet-18's layer4 sees a 2x2 map, where training computes its 3x3 convolutions as matrix
+    products (trainer.small_map_conv); the file keeps the standard network: its 20 convolutions as Conv nodes."""
+    model = onnx.load(str(v2_onnx[0]))
+    assert sum(node.op_type == "Conv" for node in model.graph.node) == 20
+
+
 def test_export__metadata_round_trips(v2_run, v2_onnx):
     meta = read_encoder_metadata(v2_onnx[0])
     assert meta["format"] == ENCODER_FORMAT and meta["format_version"] == ENCODER_FORMAT_VERSION

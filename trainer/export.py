@@ -56,6 +56,7 @@ from moco_retrieval.trainer.bn_statistics import refit_for_export
 from moco_retrieval.trainer.config import VITS
 from moco_retrieval.trainer.embedding_size import EmbeddingSize, embedding_size
 from moco_retrieval.trainer.mirror_average import readout
+from moco_retrieval.trainer.small_map_conv import use_plain_convs
 from moco_retrieval.trainer.whitening import fit_for_export, sample_images
 
 if TYPE_CHECKING:
@@ -377,7 +378,11 @@ def build_onnx(
 
     import onnx
 
-    graph = EncoderGraph(copy.deepcopy(backbone).half() if fp16 else backbone, half=fp16, whitening=whitening).eval()
+    # the file holds the standard network, its convolutions as Conv nodes that every runtime and execution
+    # provider optimises, not the training's products for small maps (trainer.small_map_conv), whose tap
+    # matrices the graph would rebuild from the kernels at every call
+    traced = use_plain_convs(copy.deepcopy(backbone))
+    graph = EncoderGraph(traced.half() if fp16 else traced, half=fp16, whitening=whitening).eval()
     example = torch.zeros(2, image_size, image_size, 3, dtype=torch.uint8)  # 2, so nothing specialises on N=1
     buffer = io.BytesIO()
     try:
