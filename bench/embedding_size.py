@@ -272,10 +272,10 @@ def plot_curves(docs: list[dict], png: Path) -> None:
         elif _epoch(row) is not None:
             run = str(Path(row["model"]).parent if row["model"].endswith(".pt") else Path(row["model"]))
             runs.setdefault(data, {}).setdefault(run, []).append((_epoch(row), got["whitened_mirror"]))
-    collections = sorted(runs)
+    collections = sorted(set(runs) | {data for data, _ in randoms})  # a panel for random lines alone too
     fig, axes = plt.subplots(1, len(collections), figsize=(3.6 * len(collections), 3.4), squeeze=False)
     for ax, data in zip(axes[0], collections):
-        for run, points in sorted(runs[data].items()):
+        for run, points in sorted(runs.get(data, {}).items()):
             points.sort()
             ax.plot([e for e, _ in points], [a for _, a in points], "o-", ms=3, label=Path(run).name)
         for kind, colour, name in (("random_bn", "grey", "random BN"), ("random", "tab:brown", "random, BN as built")):
