@@ -12,9 +12,10 @@ are (``refit_bn``: FixRes / AdaBN's re-estimation, the training's crops replaced
 a run directory or checkpoint, ``random_bn:ARCH:STEM:SEED`` (random weights, BN statistics fitted on up to
 10,000 ``train/`` images at each size: issue 20's baseline) or ``random:ARCH:STEM:SEED`` (the same weights with
 their BN as built, mean 0 and variance 1, so each BN is the identity: the stronger random line on three of four
-collections, ``bench/results/random_weights_baselines.json``). Rows are appended to ``--out``; ``--summary`` prints the mean per
-collection, model kind and size of one or more result files and plots them (``--png``); ``--curve`` plots
-the mirror-averaged readout of a run's checkpoints against its epochs, random BN as a band.
+collections, ``bench/results/random_weights_baselines.json``). Rows are appended to ``--out``; ``--summary``
+prints the mean per collection, model kind and size of one or more result files and plots them (``--png``);
+``--curve`` plots the mirror-averaged readout of a run's checkpoints against its epochs, each random line as a
+band.
 
     python bench/embedding_size.py --data /work/datasets/icons_split --sizes 32,48,64 \\
         --out bench/results/embedding_size_30m.json runs/icons_s0 random_bn:resnet18:imagenet:0 random:resnet18:imagenet:0

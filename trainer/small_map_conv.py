@@ -25,6 +25,11 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def output_size(size: int, kernel: int, stride: int, padding: int) -> int:
+    """A convolution's output length along one axis, for an input of ``size``."""
+    return (size + 2 * padding - kernel) // stride + 1
+
+
 def one_position_window(size: int, kernel: int, stride: int, padding: int) -> tuple[int, int] | None:
     """Along one axis: the input rows ``[0, end)`` and the first kernel tap that meets them, when the
     convolution's output there has exactly one position; None otherwise.
@@ -36,7 +41,7 @@ def one_position_window(size: int, kernel: int, stride: int, padding: int) -> tu
     Returns:
         ``(end, first_tap)``: input rows ``0 .. end - 1`` meet taps ``first_tap .. first_tap + end - 1``.
     """
-    if (size + 2 * padding - kernel) // stride + 1 != 1 or padding >= kernel:
+    if output_size(size, kernel, stride, padding) != 1 or padding >= kernel:
         return None
     end = min(size, kernel - padding)
     return (end, padding) if end > 0 else None
@@ -54,7 +59,7 @@ def small_map_taps(weight: torch.Tensor, in_size: tuple[int, int], stride: tuple
     """
     out_channels, in_channels, kh, kw = weight.shape
     (height, width), (sh, sw), (ph, pw) = in_size, stride, padding
-    out_h, out_w = (height + 2 * ph - kh) // sh + 1, (width + 2 * pw - kw) // sw + 1
+    out_h, out_w = output_size(height, kh, sh, ph), output_size(width, kw, sw, pw)
     # input row a meets tap a - i * sh + ph for output row i; with height - 1 zero taps on each side of the
     # kernel, every output row's taps are one slice of ``height`` rows (likewise for columns)
     padded = F.pad(weight, (width - 1, width - 1, height - 1, height - 1))
@@ -88,8 +93,8 @@ class SmallMapConv2d(nn.Conv2d):
             return F.linear(window, taps, self.bias).view(x.shape[0], self.out_channels, 1, 1)
         if height * width >= kh * kw or self.padding[0] >= kh or self.padding[1] >= kw:
             return super().forward(x)
-        out_h = (height + 2 * self.padding[0] - kh) // self.stride[0] + 1
-        out_w = (width + 2 * self.padding[1] - kw) // self.stride[1] + 1
+        out_h = output_size(height, kh, self.stride[0], self.padding[0])
+        out_w = output_size(width, kw, self.stride[1], self.padding[1])
         taps = small_map_taps(self.weight, (height, width), self.stride, self.padding)
         bias = None if self.bias is None else self.bias.repeat(out_h * out_w)
         positions = x.permute(0, 2, 3, 1).reshape(x.shape[0], -1)  # a view when x is channels-last
