@@ -10,9 +10,10 @@ curve and a plot beside it (same name, ``.png``), one panel per data set.
 Two baselines are measured per data set and seed, in this process, each plain and PCA-whitened as the monitor
 whitens: the randomly initialised ResNet as the monitor sees it, and the same network with its BatchNorm
 statistics fitted to the k-NN bank's images (``torch.optim.swa_utils.update_bn``, no weight changes). A freshly
-built network normalises with mean 0 and variance 1; a few forward passes over the data lift some collections' k-NN by several points (the Oxygen icons:
-57 -> 69 %) -- a recipe that merely stays near its initialisation while its BatchNorm statistics adapt looks as if
-it learned. On other collections fitting lowers it (Fashion-MNIST at 28 px: 78.4 -> 74.5 %). Learning
+built network normalises with mean 0 and variance 1; a few forward passes over the data lift some collections'
+k-NN by several points (the Oxygen icons: 57 -> 69 %) -- a recipe that merely stays near its initialisation
+while its BatchNorm statistics adapt looks as if it learned. On other collections fitting lowers it
+(Fashion-MNIST at 28 px: 78.4 -> 74.5 %). Learning
 means beating the higher of the two lines. A third line is the images themselves: L2 k-NN on the raw
 pixels of the same evaluation crops, the best k of 1 / 5 / 20 (``KnnMonitor.pixel_accuracy``); an encoder
 that does not beat it is not worth indexing with.
