@@ -36,7 +36,7 @@ STEMS = ("auto", *STEM_KERNEL)
 AUTO_WORD_OPTIONS = ("stem", "arch")  # left unset as the word "auto" (every other option: None)
 RECIPES = ("auto", "paper")
 # Why a CPU trains in fp32 unless --amp asks for bf16 (the figures: docs/ARCHITECTURE.md, "Measured lessons").
-CPU_FP32_WHY = "bf16 autocast measured 0.92-1.38x fp32's speed on CPUs and learned less per step"
+CPU_FP32_WHY = "bf16 autocast measured 0.92-1.49x fp32's speed on CPUs and learned less per step"
 
 # Fields that define the model, the data order or the objective: a resumed run must match them.
 RESUME_MUST_MATCH = (
