@@ -50,7 +50,7 @@ def compute_only(cfg: TrainConfig, steps: int, warmup: int, plain_convs: bool = 
     device = resolve_device(cfg.device)
     torch.manual_seed(0)
     variant = variant_for(cfg)
-    # as many images as keep --queue-size uncapped (auto caps the queue at half the collection)
+    # as many images as keep --queue-size uncapped (recipes.fit_queue_to_data caps it at half the images)
     images = max(10_000, 64 * cfg.batch_size, 2 * (cfg.queue_size or 0))
     cfg = resolve_before_training(cfg, variant, images, 1, device.type == "cuda")
     cfg = resolve_schedule(cfg, variant, 1000, 100)
