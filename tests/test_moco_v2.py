@@ -1,5 +1,5 @@
 """MoCo v2 building blocks against hand computations: InfoNCE, queue, momentum update, shuffle-BN, split-BN,
-multi-crop's small crops."""
+multi-crop's small crops, the symmetric loss."""
 
 from __future__ import annotations
 
@@ -160,6 +160,42 @@ def test_small_crops__weigh_as_many_queries_as_they_are_and_only_the_keys_enter_
     for name, buffer in running.items():
         assert torch.equal(buffer, two_views.encoder_q.state_dict()[name]), name
     assert trained.encoder_q.backbone.bn1.momentum == 0.1
+
+
+def test_symmetric__is_the_mean_of_both_directions_and_enqueues_the_second_views_keys():
+    """With one BN group (batch statistics do not depend on the shuffle), the symmetric loss is the mean of the
+    one-way losses x1 -> x2 and x2 -> x1 of two copies of the model, gradients included; the queue gets x2's
+    keys, as the one-way model's does."""
+    torch.manual_seed(0)
+    backbone, feature_dim = build_resnet("resnet18", "imagenet", bn_splits=1)
+    one_way = MoCoV2(backbone, feature_dim, dim=8, queue_size=16)
+    symmetric = copy.deepcopy(one_way)
+    symmetric.symmetric = True
+    reverse = copy.deepcopy(one_way)
+    x1, x2 = torch.randn(4, 3, 32, 32), torch.randn(4, 3, 32, 32)
+    loss_12, loss_21 = one_way(x1, x2, 0.99), reverse(x2, x1, 0.99)
+    loss = symmetric(x1, x2, 0.99)
+    assert loss.item() == pytest.approx((loss_12.item() + loss_21.item()) / 2, rel=1e-5)
+    assert abs(loss_12.item() - loss_21.item()) > 1e-4  # the two directions differ: the mean is not either alone
+    ((loss_12 + loss_21) / 2).backward()  # each copy's gradient is half its own loss's
+    loss.backward()
+    torch.testing.assert_close(
+        symmetric.encoder_q.backbone.conv1.weight.grad,
+        one_way.encoder_q.backbone.conv1.weight.grad + reverse.encoder_q.backbone.conv1.weight.grad,
+        rtol=1e-3,
+        atol=1e-4,  # gradients of order 1, summed in another order
+    )
+    assert int(symmetric.queue_ptr) == 4
+    torch.testing.assert_close(symmetric.queue, one_way.queue)
+
+
+def test_symmetric__config_round_trips_and_refuses_v3_and_small_crops():
+    cfg = TrainConfig(data_dir="d", out_dir="o", symmetric=True)
+    assert TrainConfig.from_json(cfg.to_json()) == cfg
+    assert TrainConfig.from_dict({k: v for k, v in cfg.to_dict().items() if k != "symmetric"}).symmetric is False
+    for changes in ({"moco_version": 3}, {"small_crops": 2}):
+        with pytest.raises(ConfigError, match="--symmetric is for MoCo v2"):
+            TrainConfig(data_dir="d", out_dir="o", symmetric=True, **changes)
 
 
 def test_small_crops__config_refuses_v3_vits_and_sizes_out_of_range():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -195,6 +196,17 @@ def test_train__small_crops_resume_exactly_and_a_changed_count_is_refused(shapes
     assert a["config"]["small_crops"] == 2
     with pytest.raises(Exception, match=r"was trained with small_crops=2 \(now 4\)"):
         train(tiny_train_config(shapes_dir, tmp_path / "resumed", epochs=3, small_crops=4))
+
+
+def test_train__symmetric_trains_records_itself_and_a_rerun_without_it_is_refused(shapes_dir, tmp_path):
+    """--symmetric is part of the objective: the run trains with it, config.json keeps it, and the same --out
+    without it is refused rather than resumed as another loss."""
+    result = train(tiny_train_config(shapes_dir, tmp_path / "run", epochs=2, symmetric=True), stop_at_epoch=1)
+    assert result.steps == 6 and result.loss is not None and math.isfinite(result.loss)
+    assert load_checkpoint(tmp_path / "run")["config"]["symmetric"] is True
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["symmetric"] is True
+    with pytest.raises(Exception, match=r"was trained with symmetric=True \(now False\)"):
+        train(tiny_train_config(shapes_dir, tmp_path / "run", epochs=2))
 
 
 def test_train__resume_with_different_architecture_is_refused(shapes_dir, tmp_path):

@@ -57,6 +57,7 @@ RESUME_MUST_MATCH = (
     "init",
     "small_crops",
     "small_crop_size",
+    "symmetric",
 )
 GROUPS = ("model", "recipe and schedule", "running", "k-NN monitor")
 
@@ -160,6 +161,12 @@ class TrainConfig:
     )
     temperature: float | None = option(
         None, "softmax temperature of the contrastive loss (paper v2 0.2, v3 1.0 ResNet / 0.2 ViT; auto 0.2)", "model"
+    )
+    symmetric: bool = option(
+        False,
+        "v2: each view is also a query against the other's key, the loss the mean of both (as in MoCo "
+        "v3 and the MoCo CIFAR demo); twice the encoder work per step",
+        "model",
     )
     bn_splits: int = option(
         0,
@@ -353,6 +360,8 @@ class TrainConfig:
             )
         if self.small_crops and (self.moco_version != 2 or self.arch in VITS):
             raise ConfigError("--small-crops needs MoCo v2 with a ResNet (--moco-version 2)")
+        if self.symmetric and (self.moco_version != 2 or self.small_crops):
+            raise ConfigError("--symmetric is for MoCo v2 without --small-crops (MoCo v3's loss is symmetric already)")
         if self.small_crop_size and not 8 <= self.small_crop_size <= (self.image_size or self.small_crop_size):
             raise ConfigError(
                 f"--small-crop-size must be at least 8 and at most --image-size, got {self.small_crop_size}"

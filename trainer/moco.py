@@ -145,7 +145,10 @@ class MoCo(nn.Module):
 
 
 class MoCoV2(MoCo):
-    """MoCo v2: 2-layer MLP projector, a queue of K negative keys, shuffle-BN, InfoNCE with temperature."""
+    """MoCo v2: 2-layer MLP projector, a queue of K negative keys, shuffle-BN, InfoNCE with temperature.
+
+    ``symmetric`` makes each view a query against the other's key as well (the symmetrised loss of the MoCo
+    CIFAR demo and of MoCo v3): twice the encoder work per step for twice the queries per image."""
 
     def __init__(
         self,
@@ -155,8 +158,10 @@ class MoCoV2(MoCo):
         mlp_hidden: int = 0,
         temperature: float = 0.2,
         queue_size: int = 65536,
+        symmetric: bool = False,
     ):
         super().__init__(backbone, feature_dim, dim, mlp_hidden, temperature)
+        self.symmetric = symmetric
         self.register_buffer("queue", F.normalize(torch.randn(dim, queue_size), dim=0))  # CxK
         self.register_buffer("queue_ptr", torch.zeros(1, dtype=torch.long))
 
@@ -175,23 +180,32 @@ class MoCoV2(MoCo):
         self.queue[:, ptr : ptr + batch_size] = keys.T.to(self.queue.dtype)
         self.queue_ptr[0] = (ptr + batch_size) % queue_size  # wraps to 0 when the queue is full
 
+    @torch.no_grad()
+    def keys(self, x: torch.Tensor) -> torch.Tensor:
+        """The key encoder's normalised projections of ``x`` ([N, 3, H, W] -> [N, C]) under shuffle-BN: BN
+        statistics must not reveal the positive."""
+        x, idx_unshuffle = batch_shuffle(x)
+        return batch_unshuffle(F.normalize(self.encoder_k(x), dim=1), idx_unshuffle)
+
     def forward(self, x1: torch.Tensor, x2: torch.Tensor, m: float, small: torch.Tensor | None = None) -> torch.Tensor:
         """InfoNCE loss of queries from ``x1`` against the positive keys from ``x2`` and the queue.
 
-        With multi-crop, ``small`` ([S*N, 3, h, w], crop ``s`` of image ``n`` at row ``s * N + n``) adds S more
-        queries per image against the same key, and the loss is the mean over all 1 + S queries; only ``x2``'s
-        keys enter the queue, and only full-size views move BN's running statistics (what the export keeps)."""
+        Symmetric, the loss is the mean of that and of ``x2``'s queries against ``x1``'s keys. With multi-crop,
+        ``small`` ([S*N, 3, h, w], crop ``s`` of image ``n`` at row ``s * N + n``) adds S more queries per
+        image against ``x2``'s key, and the loss is the mean over all 1 + S queries. Only ``x2``'s keys enter
+        the queue, and only full-size views move BN's running statistics (what the export keeps)."""
         q = F.normalize(self.encoder_q(x1), dim=1)  # queries: NxC
-
         with torch.no_grad():
             self.momentum_update(m)  # update the key encoder before computing keys
-            x2, idx_unshuffle = batch_shuffle(x2)  # shuffle-BN: BN statistics must not reveal the positive
-            k = F.normalize(self.encoder_k(x2), dim=1)  # keys: NxC
-            k = batch_unshuffle(k, idx_unshuffle)
+            k = self.keys(x2)  # keys: NxC
 
         queue, positives = self.queue.clone().detach().to(q.dtype), k.to(q.dtype)
         logits, labels = info_nce_logits(q, positives, queue, self.temperature)
         loss = F.cross_entropy(logits.float(), labels)
+        if self.symmetric:
+            q2 = F.normalize(self.encoder_q(x2), dim=1)  # the second view's queries: NxC
+            logits, labels = info_nce_logits(q2, self.keys(x1).to(q2.dtype), queue, self.temperature)
+            loss = (loss + F.cross_entropy(logits.float(), labels)) / 2
         if small is not None:
             n_small = small.shape[0] // q.shape[0]
             with running_statistics_frozen(self.encoder_q):

@@ -89,7 +89,7 @@ class MoCoV2Variant(Variant):
 
     def build_model(self, cfg: TrainConfig, bn_splits: int = 1) -> MoCo:
         backbone, feature_dim = build_resnet(cfg.arch, cfg.resolved_stem, bn_splits)
-        return MoCoV2(backbone, feature_dim, cfg.dim, cfg.mlp_hidden, cfg.temperature, cfg.queue_size)
+        return MoCoV2(backbone, feature_dim, cfg.dim, cfg.mlp_hidden, cfg.temperature, cfg.queue_size, cfg.symmetric)
 
     def build_optimizer(self, cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
         params = [p for p in model.parameters() if p.requires_grad]
