@@ -42,12 +42,17 @@ def run_two_ranks(cfg, prefix: Path, timeout: int = 300) -> list[dict]:
     return [torch.load(f"{prefix}.rank{r}.pt") for r in range(2)]
 
 
-@pytest.mark.parametrize("small_crops", [0, 2])
-def test_ddp_v2__ranks_end_with_identical_parameters_and_queue(shapes_dir, tmp_path, small_crops):
-    """Also with multi-crop: the small crops' forward, which leaves BN's running statistics alone, runs inside
-    the one DDP forward of each step."""
+@pytest.mark.parametrize(
+    "objective",
+    [{}, {"small_crops": 2, "small_crop_size": 16}, {"symmetric": True}],
+    ids=["two_views", "small_crops", "symmetric"],
+)
+def test_ddp_v2__ranks_end_with_identical_parameters_and_queue(shapes_dir, tmp_path, objective):
+    """Also with multi-crop, whose small crops' forward leaves BN's running statistics alone, and with the
+    symmetric loss, whose two query forwards and two cross-process key shuffles run inside the one DDP forward of
+    each step."""
     cfg = tiny_train_config(shapes_dir, tmp_path / "run", epochs=1, batch_size=16, queue_size=32)
-    cfg = cfg.replace(small_crops=small_crops, small_crop_size=16 if small_crops else 0)
+    cfg = cfg.replace(**objective)
     rank0, rank1 = run_two_ranks(cfg, tmp_path / "state")
     assert rank0["steps"] == rank1["steps"] == 96 // 16
     for name, value in rank0["params"].items():
@@ -57,7 +62,9 @@ def test_ddp_v2__ranks_end_with_identical_parameters_and_queue(shapes_dir, tmp_p
     # training moved the weights: the query encoder differs from a fresh initialisation's key copy
     assert not torch.equal(rank0["params"]["encoder_q.head.0.weight"], rank0["params"]["encoder_k.head.0.weight"])
     assert (tmp_path / "run" / "checkpoint_last.pt").exists()
-    assert json.loads((tmp_path / "run" / "config.json").read_text())["small_crops"] == small_crops
+    saved = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert saved["small_crops"] == objective.get("small_crops", 0)
+    assert saved["symmetric"] is objective.get("symmetric", False)
 
 
 def test_ddp_v2__time_budget_run_plans_and_stops_at_the_same_step_on_every_rank(shapes_dir, tmp_path):
